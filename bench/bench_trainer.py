@@ -1,0 +1,126 @@
+"""Trainer overhead and data-pipeline headroom, side by side in one invocation.
+
+    python bench/bench_trainer.py [--steps 200] [--rounds 3] [overrides...]
+
+(a) the gpujobs Trainer and (b) a hand-written minimal DDP loop train the same rec model on the same
+data for the same steps with 2 gloo ranks; rounds alternate a, b, a, b… and the median ratio of
+samples/s is reported (this machine is shared and noisy: only ratios mean anything). Then the data
+pipeline alone (one rank's `train_batch` calls) is timed against the trainer's per-rank rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from hydra import compose, initialize_config_dir
+from torch.nn.parallel import DistributedDataParallel
+
+from gpujobs.config import JobConfig, load_config
+from gpujobs.run.checkpoint import CheckpointManager
+from gpujobs.run.distributed import DistInfo, init_process_group
+from gpujobs.run.entry import load_task_builder
+from gpujobs.run.metrics import MetricsLog
+from gpujobs.run.trainer import Trainer, seed_everything
+
+REPO = Path(__file__).resolve().parent.parent
+WORLD = 2
+
+
+def job_config(steps: int, overrides: list[str]) -> JobConfig:
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose(
+            config_name="config",
+            overrides=["+experiment=rec", "cluster=local", f"trainer.max_steps={steps}",
+                       "trainer.eval_every=0", "checkpoint.every_steps=0", *overrides],
+        )
+    return load_config(cfg)
+
+
+def _rank(rank: int, kind: str, job: JobConfig, port: int, out: Any) -> None:
+    torch.set_num_threads(job.resources.cpus_per_task)
+    info = DistInfo(rank, rank, WORLD, WORLD, "127.0.0.1", port, "bench")
+    init_process_group(info, job.nccl, 120)
+    seed_everything(job.trainer.seed)
+    task = load_task_builder(job.task)(job.model, job.data, rank, WORLD, job.trainer.grad_accum)
+    device = torch.device("cpu")
+    if kind == "gpujobs":
+        with tempfile.TemporaryDirectory() as tmp:
+            trainer = Trainer(job, info, device, task, CheckpointManager(Path(tmp), 0, 1, rank), MetricsLog(None))
+            # the final eval and checkpoint are outside the timed window (samples_per_s excludes them)
+            rate = trainer.fit()["samples_per_s"]
+    else:
+        model = DistributedDataParallel(task.model)
+        optimizer = torch.optim.Adam(model.parameters(), lr=job.optim.lr)
+        samples = task.samples_per_micro_batch * WORLD
+        start = time.perf_counter()
+        for step in range(job.trainer.max_steps):
+            batch = task.train_batch(step, 0, device)
+            loss = task.loss(model, batch)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        rate = samples * job.trainer.max_steps / (time.perf_counter() - start)
+    if rank == 0:
+        out.put(rate)
+    dist.destroy_process_group()
+
+
+def run(kind: str, job: JobConfig, port: int) -> float:
+    queue = mp.get_context("spawn").SimpleQueue()
+    mp.spawn(_rank, args=(kind, job, port, queue), nprocs=WORLD, join=True)
+    return float(queue.get())
+
+
+def data_rate(job: JobConfig, steps: int) -> float:
+    seed_everything(job.trainer.seed)
+    task = load_task_builder(job.task)(job.model, job.data, 0, WORLD, job.trainer.grad_accum)
+    device = torch.device("cpu")
+    task.train_batch(0, 0, device)
+    start = time.perf_counter()
+    for step in range(steps):
+        task.train_batch(step, 0, device)
+    return task.samples_per_micro_batch * steps / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+    job = job_config(args.steps, args.overrides)
+    rates: dict[str, list[float]] = {"gpujobs": [], "minimal": []}
+    port = 29600 + os.getpid() % 1000
+    for round_ in range(args.rounds):
+        for kind in ("gpujobs", "minimal") if round_ % 2 == 0 else ("minimal", "gpujobs"):
+            port += 1
+            rates[kind].append(run(kind, job, port))
+            print(f"round {round_}: {kind:8s} {rates[kind][-1]:10.0f} samples/s", file=sys.stderr)
+    ratios = [a / b for a, b in zip(rates["gpujobs"], rates["minimal"], strict=True)]
+    trainer_per_rank = statistics.median(rates["gpujobs"]) / WORLD
+    pipeline = data_rate(job, 2000)
+    report = {
+        "world_size": WORLD,
+        "steps": args.steps,
+        "trainer_samples_per_s": round(statistics.median(rates["gpujobs"]), 1),
+        "minimal_samples_per_s": round(statistics.median(rates["minimal"]), 1),
+        "trainer_vs_minimal": round(statistics.median(ratios), 3),
+        "data_pipeline_samples_per_s_per_rank": round(pipeline, 1),
+        "data_pipeline_vs_trainer_per_rank": round(pipeline / trainer_per_rank, 1),
+    }
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,29 @@
+"""The exceptions gpujobs raises on purpose; anything else is a bug."""
+
+from __future__ import annotations
+
+
+class GpujobsError(Exception):
+    """Base class: an error the user can act on, reported as one line."""
+
+
+class ConfigError(GpujobsError, ValueError):
+    """A config value is invalid; the message names the key, the value and what is allowed."""
+
+    def __init__(self, key: str, value: object, allowed: str) -> None:
+        self.key = key
+        self.value = value
+        self.allowed = allowed
+        super().__init__(f"{key}={value!r} is invalid: allowed {allowed}")
+
+    def under(self, prefix: str) -> ConfigError:
+        """The same error with its key placed under `prefix` (e.g. "model")."""
+        return ConfigError(f"{prefix}.{self.key}", self.value, self.allowed)
+
+
+class SubmitError(GpujobsError):
+    """The job could not be submitted or launched (the executor said why)."""
+
+
+class JobFailedError(GpujobsError):
+    """A job ran and ended in a state other than completed."""

@@ -1,0 +1,65 @@
+"""Show a job's progress from its metrics records (torch-free: used on both sides)."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Optional, TextIO
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+
+def describe(record: dict[str, Any]) -> str:
+    """One short line for a metrics record."""
+    if record.get("kind") == "eval":
+        metrics = " ".join(f"{k} {v:.4f}" for k, v in record.items() if k not in ("kind", "step", "time"))
+        return f"step {record['step']}: eval {metrics}"
+    parts = [f"step {record['step']}"]
+    if "loss" in record:
+        parts.append(f"loss {record['loss']:.4f}")
+    if "samples_per_s" in record:
+        parts.append(f"{record['samples_per_s']:.0f} samples/s")
+    return " ".join(parts)
+
+
+class ProgressView:
+    """A progress bar on a terminal, plain lines elsewhere (logs, CI, pipes)."""
+
+    def __init__(self, total_steps: int, label: str, stream: Optional[TextIO] = None, enabled: bool = True) -> None:
+        self.stream = stream or sys.stdout
+        self.total = total_steps
+        self.label = label
+        self.enabled = enabled
+        self._bar: Optional[Progress] = None
+        self._task: Any = None
+        if enabled and self.stream.isatty():
+            console = Console(file=self.stream)
+            self._bar = Progress(
+                TextColumn("[bold]{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                TextColumn("{task.fields[info]}"),
+                console=console,
+                transient=False,
+            )
+            self._task = self._bar.add_task(label, total=total_steps, info="")
+            self._bar.start()
+
+    def update(self, record: dict[str, Any]) -> None:
+        """Take one metrics record (train or eval)."""
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            if record.get("kind") == "eval":
+                self._bar.console.print(describe(record))
+            else:
+                self._bar.update(self._task, completed=record["step"], info=describe(record))
+            return
+        print(f"[{self.label}] {describe(record)}", file=self.stream, flush=True)
+
+    def close(self) -> None:
+        """Stop the bar (leaving its last state on screen)."""
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None

@@ -1,0 +1,1 @@
+"""Job side: distributed setup, trainer, checkpoints and metrics (imports torch)."""

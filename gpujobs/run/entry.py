@@ -1,0 +1,93 @@
+"""The job side's front door: the callable that every rank runs (submitit pickles it).
+
+This module imports torch only inside `__call__`, so the submit side can build and pickle a
+`TrainJob` without paying for torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from gpujobs.config import JobConfig
+
+log = logging.getLogger("gpujobs")
+
+RESULT_FILE = "result.json"
+METRICS_FILE = "metrics.jsonl"
+CHECKPOINT_DIR = "checkpoints"
+
+
+def load_task_builder(path: str) -> Any:
+    """Import `module:function` (the job's task builder)."""
+    module_name, _, attr = path.partition(":")
+    return getattr(importlib.import_module(module_name), attr)
+
+
+@dataclass
+class TrainJob:
+    """Run the DDP trainer of `job` as one rank; returns the result record."""
+
+    job: JobConfig
+    run_dir: str
+    master_port: Optional[int] = None
+    """Rendezvous port chosen by the launcher (local runs); Slurm jobs derive theirs from the job id."""
+    show_progress: bool = False
+    """Draw progress in this process (the in-process debug executor)."""
+
+    def __call__(self) -> dict[str, Any]:
+        import torch
+
+        from gpujobs.progress import ProgressView
+        from gpujobs.run import distributed
+        from gpujobs.run.checkpoint import CheckpointManager, write_json_atomic
+        from gpujobs.run.metrics import MetricsLog
+        from gpujobs.run.trainer import Trainer, seed_everything
+
+        logging.basicConfig(level=logging.INFO, format="[%(asctime)s][rank %(rank)s] %(message)s")
+        info = distributed.detect(self.master_port)
+        _tag_log_records(info.rank)
+        job, run_dir = self.job, Path(self.run_dir)
+        torch.set_num_threads(job.resources.cpus_per_task)
+        if job.trainer.deterministic:
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True, warn_only=True)
+        backend = distributed.init_process_group(info, job.nccl, job.trainer.pg_timeout_s)
+        device = distributed.device_for(info)
+        log.info("rank %d/%d on %s (%s, backend %s)", info.rank, info.world_size, info.node, device, backend)
+        log.info("NCCL environment: %s", {key: os.environ[key] for key in sorted(job.nccl.to_env())})
+        metrics = MetricsLog(run_dir / METRICS_FILE if info.is_main else None)
+        view = ProgressView(job.trainer.max_steps, job.name, enabled=self.show_progress and info.is_main)
+        try:
+            seed_everything(job.trainer.seed)
+            build = load_task_builder(job.task)
+            task = build(job.model, job.data, info.rank, info.world_size, job.trainer.grad_accum)
+            checkpoints = CheckpointManager(
+                run_dir / CHECKPOINT_DIR, job.checkpoint.every_steps, job.checkpoint.keep, info.rank
+            )
+            trainer = Trainer(job, info, device, task, checkpoints, metrics, on_step=lambda _, r: view.update(r))
+            result = trainer.fit()
+            result["node"] = info.node
+            if info.is_main:
+                write_json_atomic(run_dir / RESULT_FILE, result)
+            return result
+        finally:
+            view.close()
+            metrics.close()
+            distributed.destroy_process_group()
+
+
+def _tag_log_records(rank: int) -> None:
+    """Put the rank into every log record, so per-rank logs read well when merged."""
+    factory = logging.getLogRecordFactory()
+
+    def make(*args: Any, **kwargs: Any) -> logging.LogRecord:
+        record = factory(*args, **kwargs)
+        record.rank = rank
+        return record
+
+    logging.setLogRecordFactory(make)

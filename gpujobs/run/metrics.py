@@ -1,0 +1,41 @@
+"""Where the job's numbers go: `metrics.jsonl` in the run dir (rank 0 only) and the log."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+
+class MetricsLog:
+    """Appends one JSON object per line; each line is flushed so followers see it at once."""
+
+    def __init__(self, path: Optional[Path]) -> None:
+        self.path = path
+        # held open for the whole run (one line per log step); closed by `close`
+        self._handle = open(path, "a", buffering=1) if path is not None else None  # noqa: SIM115
+
+    def write(self, record: dict[str, Any]) -> None:
+        """Append `record` with a wall-clock timestamp (no-op on ranks other than 0)."""
+        if self._handle is None:
+            return
+        self._handle.write(json.dumps({"time": round(time.time(), 3), **record}) + "\n")
+
+    def close(self) -> None:
+        """Close the file."""
+        if self._handle is not None:
+            self._handle.close()
+            self._handle = None
+
+
+def param_digest(model: torch.nn.Module) -> str:
+    """sha256 over the parameters, names sorted, raw bytes: a reproducibility fingerprint."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()

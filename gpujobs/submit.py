@@ -1,0 +1,62 @@
+"""`python -m gpujobs.submit [overrides]`: compose and validate a config, then launch the job.
+
+Exit codes: 0 the job completed (or was queued), 1 it failed, 2 the config or submission was refused.
+This module never imports torch: the job side does that, in its own processes.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from gpujobs.errors import ConfigError, GpujobsError
+
+#: conf/ at the repository root; GPUJOBS_CONFIG_DIR points elsewhere (a team's own config tree).
+CONFIG_DIR = os.environ.get("GPUJOBS_CONFIG_DIR") or str(Path(__file__).resolve().parent.parent / "conf")
+EXIT_REFUSED = 2
+
+_task_started = False
+
+
+@hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")
+def _submit(cfg: DictConfig) -> int:
+    global _task_started
+    _task_started = True
+    from gpujobs.config import load_config
+    from gpujobs.launch import launch
+    from gpujobs.launch.rundir import discard_if_empty
+
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    try:
+        job = load_config(cfg)
+        code = launch(job, run_dir)
+    except ConfigError as err:
+        discard_if_empty(run_dir)
+        print(f"gpujobs: config error: {err}", file=sys.stderr)
+        raise SystemExit(EXIT_REFUSED) from None
+    except GpujobsError as err:
+        discard_if_empty(run_dir)
+        print(f"gpujobs: {err}", file=sys.stderr)
+        raise SystemExit(EXIT_REFUSED) from None
+    if code:
+        raise SystemExit(code)
+    return code
+
+
+def main() -> None:
+    """Entry point; Hydra's own composition errors (bad override syntax, unknown group) exit 2 too."""
+    try:
+        _submit()
+    except SystemExit as exit_:
+        if exit_.code == 1 and not _task_started:
+            raise SystemExit(EXIT_REFUSED) from None
+        raise
+
+
+if __name__ == "__main__":
+    main()

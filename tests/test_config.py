@@ -1,0 +1,111 @@
+"""Config validation: every class of bad input gets one clear ConfigError naming key and value."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import compose_job
+
+from gpujobs.config import load_config, parse_time_minutes, resolve_cluster_name
+from gpujobs.errors import ConfigError
+from gpujobs.nccl import KNOWN_NCCL_VARS, NcclSettings
+
+
+def test_rec_experiment_composes_to_two_cpu_ranks() -> None:
+    job = compose_job("+experiment=rec", "cluster=local")
+    assert job.name == "rec"
+    assert job.cluster.name == "local"
+    assert job.resources.gpus_per_node == 0
+    assert job.resources.world_size == 2
+    assert type(job.model).__name__ == "DLRMConfig"
+    assert type(job.data).__name__ == "SyntheticClicksConfig"
+
+
+@pytest.mark.parametrize(
+    ("override", "key", "allowed"),
+    [
+        ("resources.gpus_per_node=-1", "resources.gpus_per_node", ">= 0"),
+        ("resources.nodes=0", "resources.nodes", ">= 1"),
+        ("resources.procs_per_node=0", "resources.procs_per_node", ">= 1"),
+        ("resources.mem_gb=-4", "resources.mem_gb", "> 0"),
+        ("trainer.max_steps=abc", "trainer.max_steps", "int"),
+        ("trainer.amp=fp8", "trainer.amp", "auto, bf16, off"),
+        ("optim.lr=0", "optim.lr", "> 0"),
+        ("optim.name=lion", "optim.name", "adam, adamw, sgd"),
+        ("cluster.time=abc", "cluster.time", "HH:MM:SS"),
+        ("cluster.time=01:99:00", "cluster.time", "below 60"),
+        ("cluster.time=0", "cluster.time", "positive"),
+        ("cluster.name=moon", "cluster.name", "local, debug, slurm"),
+        ("cluster.partition='gpu;rm -rf /'", "cluster.partition", "no spaces or shell characters"),
+        ("name='my job'", "name", "no spaces or shell characters"),
+        ("+resources.gpus=2", "resources.gpus", "gpus_per_node"),
+        ("+nccl.extra.NCCL_SOCKET_IFNAM=eth0", "nccl.extra.NCCL_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"),
+        ("nccl.debug=LOUD", "nccl.debug", "INFO"),
+        ("nccl.socket_ifname='eth0 && reboot'", "nccl.socket_ifname", "interface names"),
+        ("checkpoint.keep=0", "checkpoint.keep", ">= 1"),
+        ("+surprise=1", "surprise", "top-level keys"),
+        ("model._target_=nowhere.Thing", "model._target_", "importable"),
+        ("model.embedding_dim=0", "model.embedding_dim", ""),
+    ],
+)
+def test_bad_values_name_key_value_and_allowed(override: str, key: str, allowed: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        compose_job("+experiment=rec", override)
+    message = str(info.value)
+    # the unknown-NCCL-key case reports the bad key as the user typed it
+    assert info.value.key in (key, key.replace("IFNAME", "IFNAM")), message
+    assert allowed in message
+    assert "\n" not in message
+
+
+def test_unknown_nccl_key_lists_the_known_ones() -> None:
+    with pytest.raises(ConfigError) as info:
+        NcclSettings(extra={"NCCL_IB_DISABEL": "1"})
+    assert "NCCL_IB_DISABLE" in info.value.allowed
+    assert all(var in info.value.allowed for var in ("NCCL_SOCKET_IFNAME", "NCCL_DEBUG"))
+
+
+@pytest.mark.parametrize(
+    ("preset", "expected"),
+    [
+        ("default", {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}),
+        ("ethernet", {"NCCL_IB_DISABLE": "1", "NCCL_SOCKET_IFNAME": "^lo,docker0"}),
+        ("infiniband", {"NCCL_IB_DISABLE": "0", "NCCL_IB_TIMEOUT": "22"}),
+        ("debug", {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET"}),
+    ],
+)
+def test_nccl_presets_become_environment(preset: str, expected: dict[str, str]) -> None:
+    env = compose_job("+experiment=rec", f"nccl={preset}").nccl.to_env()
+    assert expected.items() <= env.items()
+    assert set(env) - {"TORCH_NCCL_ASYNC_ERROR_HANDLING"} <= KNOWN_NCCL_VARS
+
+
+def test_nccl_overrides_on_top_of_a_preset() -> None:
+    env = compose_job("nccl=ethernet", "nccl.socket_ifname=eno1", "+nccl.extra.NCCL_BUFFSIZE=8388608").nccl.to_env()
+    assert env["NCCL_SOCKET_IFNAME"] == "eno1"
+    assert env["NCCL_BUFFSIZE"] == "8388608"
+
+
+@pytest.mark.parametrize(
+    ("text", "minutes"),
+    [("90", 90), ("01:30:00", 90), ("1-00:00:00", 1440), ("1-2", 1560), ("00:00:30", 1), ("10:30", 11)],
+)
+def test_slurm_time_strings(text: str, minutes: int) -> None:
+    assert parse_time_minutes(text) == minutes
+
+
+def test_auto_cluster_is_local_without_slurm(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch anywhere
+    monkeypatch.delenv("SLURM_CONF", raising=False)
+    assert resolve_cluster_name("auto") == "local"
+    sbatch = tmp_path / "sbatch"
+    sbatch.write_text("#!/bin/sh\n")
+    sbatch.chmod(0o755)
+    monkeypatch.setenv("SLURM_CONF", str(tmp_path / "slurm.conf"))
+    assert resolve_cluster_name("auto") == "slurm"
+    assert resolve_cluster_name("debug") == "debug"
+
+
+def test_resolved_config_round_trips() -> None:
+    job = compose_job("+experiment=rec", "cluster=local", "optim.lr=0.01")
+    again = load_config(job.to_dict())
+    assert again == job

@@ -1,0 +1,69 @@
+"""The CLI as users run it: bad input is refused in one line with exit 2, and nothing is left behind."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO, submit
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "resources.gpus_per_node=-1",
+        "resources.nodes=0",
+        "cluster.time=25:99",
+        "+nccl.extra.NCCL_BOGUS=1",
+        "trainer.max_steps=lots",
+        "+resources.gpu=1",
+        "resources.nodes=2",  # more than one node cannot run locally
+        "resources.gpus_per_node=1",  # no NVIDIA GPU on this machine
+    ],
+)
+def test_bad_config_one_line_exit_2_no_run_dir(run_dir: Path, override: str) -> None:
+    proc = submit(run_dir, "+experiment=rec", "cluster=local", override)
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("gpujobs: config error: ")
+    key = override.lstrip("+").split("=")[0]
+    assert key.split(".")[-1] in lines[0]
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert not run_dir.exists()
+
+
+def test_unknown_config_group_option_exits_2(run_dir: Path) -> None:
+    proc = submit(run_dir, "+experiment=rec", "cluster=moon")
+    assert proc.returncode == 2
+    assert "moon" in proc.stderr
+    assert not run_dir.exists()
+
+
+def test_cfg_job_prints_the_composed_config(run_dir: Path) -> None:
+    proc = submit(run_dir, "+experiment=rec", "optim.lr=0.005", "--cfg", "job")
+    assert proc.returncode == 0, proc.stderr
+    assert "lr: 0.005" in proc.stdout
+    assert "embedding_dim:" in proc.stdout
+    assert not run_dir.exists()
+
+
+def test_submit_side_never_imports_torch(tmp_path: Path) -> None:
+    """A whole local run (2 gloo ranks) from this process: the ranks import torch, the submitter must not."""
+    script = f"""
+import sys
+sys.argv = ["gpujobs.submit", "+experiment=rec", "+debug=tiny", "cluster=local", "hydra.run.dir={tmp_path / 'run'}"]
+from gpujobs.submit import main
+try:
+    main()
+except SystemExit as exit_:
+    assert exit_.code in (0, None), exit_.code
+assert "torch" not in sys.modules, "the submit side imported torch"
+print("NO-TORCH-OK")
+"""
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "NO-TORCH-OK" in proc.stdout
+    assert (tmp_path / "run" / "result.json").is_file()
