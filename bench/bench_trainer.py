@@ -28,8 +28,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from gpujobs.config import JobConfig, load_config
 from gpujobs.run.checkpoint import CheckpointManager
-from gpujobs.run.distributed import DistInfo, init_process_group
+from gpujobs.run.distributed import init_process_group
 from gpujobs.run.entry import load_task_builder
+from gpujobs.run.jobenv import DistInfo
 from gpujobs.run.metrics import MetricsLog
 from gpujobs.run.trainer import Trainer, seed_everything
 

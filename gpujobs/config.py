@@ -11,6 +11,7 @@ import importlib
 import re
 import shutil
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
@@ -120,8 +121,14 @@ class ResourcesConfig:
     """CPU cores per rank (also the torch thread count)."""
     mem_gb: Optional[float] = None
     """Memory per node in GB (default: the cluster's default)."""
+    pick_gpus: bool = False
+    """Local runs: false uses GPUs 0..gpus_per_node-1; true picks the least-loaded GPUs (NVML)."""
+    min_free_gpu_mem_gb: float = 0.0
+    """Local runs with pick_gpus: a GPU needs at least this much free memory to be picked."""
 
     def __post_init__(self) -> None:
+        if self.min_free_gpu_mem_gb < 0:
+            raise ConfigError("min_free_gpu_mem_gb", self.min_free_gpu_mem_gb, "a number >= 0")
         if self.nodes < 1:
             raise ConfigError("nodes", self.nodes, "an integer >= 1")
         if self.gpus_per_node < 0:
@@ -243,6 +250,62 @@ class CheckpointConfig:
             raise ConfigError("keep", self.keep, "an integer >= 1")
 
 
+@dataclass
+class TelemetryConfig:
+    """GPU telemetry, straggler detection and the Prometheus endpoint."""
+
+    gpu: bool = True
+    """Sample the node's GPUs (NVML) into gpu.jsonl, one sampler per node."""
+    interval_s: float = 5.0
+    """Seconds between GPU samples."""
+    imbalance_threshold: float = 1.25
+    """Warn when the slowest rank's local step time (data wait + forward) exceeds the median by this factor."""
+    prometheus_port: Optional[int] = None
+    """Rank 0 serves metrics for Prometheus on this port (null: off; 0: a free port, see prometheus.json)."""
+    prometheus_addr: str = "0.0.0.0"
+    """Address the Prometheus endpoint listens on."""
+    prometheus_linger_s: float = 0.0
+    """Keep the endpoint up this many seconds after training, so a last scrape sees the final values."""
+    debug_slow_rank: Optional[int] = None
+    """Debug: this rank sleeps debug_slow_ms every step (to see straggler detection work)."""
+    debug_slow_ms: float = 200.0
+    """Debug: the sleep of debug_slow_rank per step, in milliseconds."""
+
+    def __post_init__(self) -> None:
+        if not self.interval_s > 0:
+            raise ConfigError("interval_s", self.interval_s, "a number > 0")
+        if not self.imbalance_threshold >= 1:
+            raise ConfigError("imbalance_threshold", self.imbalance_threshold, "a number >= 1")
+        if self.prometheus_port is not None and not 0 <= self.prometheus_port <= 65535:
+            raise ConfigError("prometheus_port", self.prometheus_port, "0..65535 (0: a free port), or null")
+        if self.prometheus_linger_s < 0:
+            raise ConfigError("prometheus_linger_s", self.prometheus_linger_s, "a number >= 0")
+        if self.debug_slow_rank is not None and self.debug_slow_rank < 0:
+            raise ConfigError("debug_slow_rank", self.debug_slow_rank, "a rank >= 0, or null")
+        if self.debug_slow_ms < 0:
+            raise ConfigError("debug_slow_ms", self.debug_slow_ms, "a number >= 0")
+
+
+@dataclass
+class ScriptConfig:
+    """Bring your own script: run a torchrun-style script on every rank instead of the trainer."""
+
+    path: str = ""
+    """The script (made absolute at submit time); it reads RANK, WORLD_SIZE, MASTER_ADDR... as under torchrun."""
+    args: list[str] = field(default_factory=list)
+    """Its command-line arguments."""
+    cwd: Optional[str] = None
+    """Working directory of the script (default: the job's)."""
+
+    def __post_init__(self) -> None:
+        path = Path(self.path).expanduser()
+        if not self.path or not path.is_file():
+            raise ConfigError("path", self.path, "an existing Python script")
+        self.path = str(path.resolve())
+        if self.cwd is not None and not Path(self.cwd).is_dir():
+            raise ConfigError("cwd", self.cwd, "an existing directory, or null")
+
+
 _SECTIONS: dict[str, type[Any]] = {
     "cluster": ClusterConfig,
     "resources": ResourcesConfig,
@@ -250,6 +313,7 @@ _SECTIONS: dict[str, type[Any]] = {
     "optim": OptimConfig,
     "trainer": TrainerConfig,
     "checkpoint": CheckpointConfig,
+    "telemetry": TelemetryConfig,
 }
 _PLUGINS = ("model", "data")
 _TASK = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
@@ -269,16 +333,21 @@ class JobConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     model: Any = None
     """The model's schema object (a dataclass named by `_target_`)."""
     data: Any = None
     """The data's schema object (a dataclass named by `_target_`)."""
+    script: Optional[ScriptConfig] = None
+    """Set to run a user's script on every rank instead of the trainer (`+script.path=train.py`)."""
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict of the resolved config (what config.yaml holds)."""
         out = dataclasses.asdict(self)
         for key in _PLUGINS:
             out[key] = dataclasses.asdict(getattr(self, key))
+        if self.script is None:
+            out.pop("script")
         return out
 
 
@@ -358,6 +427,10 @@ def load_config(cfg: DictConfig | dict[str, Any]) -> JobConfig:
         raise ConfigError("task", task, "module.path:function")
     sections = {key: _section(key, schema, raw.get(key)) for key, schema in _SECTIONS.items()}
     plugins = {key: _plugin(key, raw.get(key)) for key in _PLUGINS}
-    job = JobConfig(name=name, task=task, **sections, **plugins)
+    script = _section("script", ScriptConfig, raw["script"]) if raw.get("script") is not None else None
+    job = JobConfig(name=name, task=task, **sections, **plugins, script=script)
     job.cluster.name = resolve_cluster_name(job.cluster.name)
+    slow = job.telemetry.debug_slow_rank
+    if slow is not None and slow >= job.resources.world_size:
+        raise ConfigError("telemetry.debug_slow_rank", slow, f"a rank below the world size {job.resources.world_size}")
     return job

@@ -28,14 +28,17 @@
 #               DIR/dev/gpuN -> /dev/null, so --gpus-per-node is really scheduled and Slurm sets
 #               CUDA_VISIBLE_DEVICES)
 #   partitions  debug  (Default, PriorityTier=1, GraceTime=30, MaxTime=INFINITE)
-#               urgent (PriorityTier=10; its jobs preempt lower-tier jobs: REQUEUE, and with
-#                       preempt_send_user_signal the victims first get their --signal)
+#               urgent (PriorityTier=10; its jobs preempt jobs of debug and short: the victims get
+#                       their --signal at once (preempt_send_user_signal), and are requeued
+#                       GraceTime s later (seen: 36-40 s, Slurm checks about every 10 s);
+#                       a requeued job may start again ~cred_expire+1 s after that)
 #               short  (PriorityTier=1, GraceTime=30, MaxTime=00:10:00, MaxNodes=1)
 #   accounting  slurmdbd + a private MariaDB on 127.0.0.1 (sacct works), JobRequeue=1, MinJobAge=300
 #   speed       fast scheduler passes, KillWait=10, cred_expire=10 (a requeued job may restart
 #               after ~11 s instead of ~121 s), random FirstJobId per cluster instance
 #
-# Knobs (environment; the defaults are in brackets):
+# Knobs (environment, read by every `up`: they are not remembered, and an `up` with other values
+# rewrites the configs and restarts the daemons concerned; the defaults are in brackets):
 #   GPUJOBS_SLURM_DIR [/tmp/gpujobs-slurm]   the positional DIR argument wins over it
 #   GPUJOBS_SLURM_NODES [2]                  number of fake nodes node1..nodeN
 #   GPUJOBS_SLURM_CPUS_PER_NODE [4]
@@ -86,15 +89,18 @@ TIMEOUT=${GPUJOBS_SLURM_TIMEOUT:-120}
 ENFORCE_PART_LIMITS=${GPUJOBS_SLURM_ENFORCE_PART_LIMITS:-NO}
 LINK_ETC=${GPUJOBS_SLURM_LINK_ETC:-0}
 
-for v in NODES CPUS MEM GPUS GRACE_TIME CRED_EXPIRE KILL_WAIT MIN_JOB_AGE CTLD_PORT DBD_PORT \
-         MYSQL_PORT SLURMD_PORT_BASE TIMEOUT; do
-  [[ ${!v} =~ ^[0-9]+$ ]] || { echo "local-slurm: $v must be a non-negative integer, got '${!v}'" >&2; exit 2; }
+for v in NODES:NODES CPUS:CPUS_PER_NODE MEM:MEM_PER_NODE_MB GPUS:GPUS_PER_NODE GRACE_TIME:GRACE_TIME \
+         CRED_EXPIRE:CRED_EXPIRE KILL_WAIT:KILL_WAIT MIN_JOB_AGE:MIN_JOB_AGE CTLD_PORT:CTLD_PORT \
+         DBD_PORT:DBD_PORT MYSQL_PORT:MYSQL_PORT SLURMD_PORT_BASE:SLURMD_PORT_BASE TIMEOUT:TIMEOUT; do
+  var=${v%%:*}
+  [[ ${!var} =~ ^[0-9]+$ ]] ||
+    { echo "local-slurm: GPUJOBS_SLURM_${v#*:} must be a non-negative integer, got '${!var}'" >&2; exit 2; }
 done
 if [ "$NODES" -lt 1 ] || [ "$CPUS" -lt 1 ] || [ "$MEM" -lt "$CPUS" ]; then
-  echo "local-slurm: need NODES >= 1, CPUS_PER_NODE >= 1, MEM_PER_NODE_MB >= CPUS_PER_NODE" >&2; exit 2
+  echo "local-slurm: need GPUJOBS_SLURM_NODES >= 1, _CPUS_PER_NODE >= 1, _MEM_PER_NODE_MB >= _CPUS_PER_NODE" >&2; exit 2
 fi
-[ "$CRED_EXPIRE" -ge 5 ] || { echo "local-slurm: CRED_EXPIRE must be >= 5" >&2; exit 2; }
-case $ENFORCE_PART_LIMITS in NO|ANY|ALL) ;; *) echo "local-slurm: ENFORCE_PART_LIMITS must be NO, ANY or ALL" >&2; exit 2 ;; esac
+[ "$CRED_EXPIRE" -ge 5 ] || { echo "local-slurm: GPUJOBS_SLURM_CRED_EXPIRE must be >= 5" >&2; exit 2; }
+case $ENFORCE_PART_LIMITS in NO|ANY|ALL) ;; *) echo "local-slurm: GPUJOBS_SLURM_ENFORCE_PART_LIMITS must be NO, ANY or ALL" >&2; exit 2 ;; esac
 
 ETC=$DIR/etc RUN=$DIR/run LOG=$DIR/log
 CONF=$ETC/slurm.conf

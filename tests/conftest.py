@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -48,3 +49,48 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
 def run_dir(tmp_path: Path) -> Path:
     """A fresh run directory path (not created: the CLI creates it)."""
     return tmp_path / "run"
+
+
+def _slurm_conf() -> str | None:
+    for candidate in (os.environ.get("SLURM_CONF"), "/tmp/gpujobs-slurm/etc/slurm.conf"):
+        if candidate and Path(candidate).is_file():
+            return candidate
+    return None
+
+
+@pytest.fixture(scope="session")
+def slurm() -> dict[str, str]:
+    """The environment that reaches the live test cluster of scripts/local-slurm.sh.
+
+    Skips when there is none, except under CI, where a missing cluster is a failure.
+    """
+    conf = _slurm_conf()
+    reason = "no live Slurm cluster (run `bash scripts/local-slurm.sh up` as root)"
+    if conf is not None:
+        env = {**os.environ, "SLURM_CONF": conf}
+        try:
+            ping = subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=20, env=env)
+            if ping.returncode == 0 and "UP" in ping.stdout:
+                return {"SLURM_CONF": conf}
+            reason = f"Slurm controller not answering: {ping.stdout.strip() or ping.stderr.strip()}"
+        except (OSError, subprocess.TimeoutExpired) as err:
+            reason = f"Slurm commands unavailable: {err}"
+    if os.environ.get("CI"):
+        pytest.fail(f"CI needs the live Slurm cluster: {reason}")
+    pytest.skip(reason)
+
+
+def sacct_state(job_id: str, env: dict[str, str], timeout: float = 60) -> str:
+    """The job's final state as accounting records it (polled: sacct lags the scheduler)."""
+    deadline = time.monotonic() + timeout
+    state = ""
+    while time.monotonic() < deadline:
+        out = subprocess.run(
+            ["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State"],
+            capture_output=True, text=True, env={**os.environ, **env}, check=False,
+        ).stdout.split()
+        state = out[0] if out else ""
+        if state and state not in ("PENDING", "RUNNING", "REQUEUED", "COMPLETING"):
+            return state
+        time.sleep(0.5)
+    return state

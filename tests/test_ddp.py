@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from conftest import read_metrics, read_result, submit
 
-from gpujobs.run import distributed
+from gpujobs.run import jobenv
 
 TINY = ("+experiment=rec", "+debug=tiny", "cluster=local")
 
@@ -73,7 +73,7 @@ def test_torchrun_variables_win(monkeypatch: pytest.MonkeyPatch) -> None:
     for key, value in dict(RANK="3", LOCAL_RANK="1", WORLD_SIZE="4", LOCAL_WORLD_SIZE="2",
                            MASTER_ADDR="10.1.2.3", MASTER_PORT="23456").items():
         monkeypatch.setenv(key, value)
-    info = distributed.detect()
+    info = jobenv.detect()
     assert (info.rank, info.local_rank, info.world_size, info.local_world_size) == (3, 1, 4, 2)
     assert (info.master_addr, info.master_port) == ("10.1.2.3", 23456)
     assert not info.is_main
@@ -82,11 +82,11 @@ def test_torchrun_variables_win(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_single_process_without_any_job_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     for key in ("RANK", "WORLD_SIZE", "SUBMITIT_LOCAL_JOB_ID", "SLURM_JOB_ID"):
         monkeypatch.delenv(key, raising=False)
-    info = distributed.detect(master_port=31000)
+    info = jobenv.detect(master_port=31000)
     assert (info.rank, info.world_size, info.master_port) == (0, 1, 31000)
 
 
 def test_slurm_ports_differ_between_jobs() -> None:
-    ports = {distributed.port_for_job(str(job_id)) for job_id in range(1000, 1100)}
+    ports = {jobenv.port_for_job(str(job_id)) for job_id in range(1000, 1100)}
     assert len(ports) == 100
     assert all(20000 <= port < 50000 for port in ports)

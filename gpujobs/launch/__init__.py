@@ -15,6 +15,10 @@ def preflight(job: JobConfig) -> None:
         from gpujobs.launch.local import check_local_resources
 
         check_local_resources(job, local_gpu_count())
+    elif job.cluster.name == "slurm":
+        from gpujobs.launch.preflight import preflight_slurm
+
+        preflight_slurm(job)
 
 
 def launch(job: JobConfig, run_dir: Path) -> int:
@@ -26,9 +30,10 @@ def launch(job: JobConfig, run_dir: Path) -> int:
 
         return run_debug(job, run_dir)
     if job.cluster.name == "slurm":
+        from gpujobs.launch.payload import make_payload
         from gpujobs.launch.slurm import run_slurm
 
-        return run_slurm(job, run_dir)
+        return run_slurm(job, run_dir, make_payload(job, run_dir))
     from gpujobs.launch.local import run_local
 
     return run_local(job, run_dir)

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import contextlib
-import os
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from gpujobs.atomic import write_text_atomic
 from gpujobs.config import JobConfig
 
 CONFIG_FILE = "config.yaml"
@@ -17,9 +17,7 @@ def write_config(run_dir: Path, job: JobConfig) -> Path:
     """Save the resolved, validated config atomically as `config.yaml`."""
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / CONFIG_FILE
-    tmp = path.with_name(f".{CONFIG_FILE}.tmp-{os.getpid()}")
-    tmp.write_text(OmegaConf.to_yaml(job.to_dict()))
-    os.replace(tmp, path)
+    write_text_atomic(path, OmegaConf.to_yaml(job.to_dict()))
     return path
 
 

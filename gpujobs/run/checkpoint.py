@@ -13,7 +13,6 @@ directory without marker, which `load_latest` skips and the next save sweeps awa
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -24,18 +23,12 @@ from typing import Any, Optional
 
 import torch
 
+from gpujobs.atomic import fsync_dir, write_json_atomic
+
 log = logging.getLogger(__name__)
 
 MARKER = "COMPLETE"
 _PREFIX = "step_"
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _save_file(obj: Any, path: Path) -> None:
@@ -43,18 +36,6 @@ def _save_file(obj: Any, path: Path) -> None:
         torch.save(obj, handle)
         handle.flush()
         os.fsync(handle.fileno())
-
-
-def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
-    """Write JSON to `path` via a temp file, fsync and rename."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as handle:
-        json.dump(payload, handle, indent=2, sort_keys=True)
-        handle.write("\n")
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
 
 
 class CheckpointManager:
@@ -147,7 +128,7 @@ class CheckpointManager:
             final = self.path_for(step)
             if final.exists():  # an incomplete leftover (no marker) of an earlier attempt
                 shutil.rmtree(final)
-            _fsync_dir(tmp)
+            fsync_dir(tmp)
             os.replace(tmp, final)
             write_json_atomic(final / MARKER, {"step": step, "time": time.time()})
         except OSError as err:

@@ -42,14 +42,16 @@ class TrainJob:
     def __call__(self) -> dict[str, Any]:
         import torch
 
+        from gpujobs.atomic import write_json_atomic
         from gpujobs.progress import ProgressView
-        from gpujobs.run import distributed
-        from gpujobs.run.checkpoint import CheckpointManager, write_json_atomic
+        from gpujobs.run import distributed, jobenv
+        from gpujobs.run.checkpoint import CheckpointManager
         from gpujobs.run.metrics import MetricsLog
+        from gpujobs.run.telemetry import Telemetry
         from gpujobs.run.trainer import Trainer, seed_everything
 
         logging.basicConfig(level=logging.INFO, format="[%(asctime)s][rank %(rank)s] %(message)s")
-        info = distributed.detect(self.master_port)
+        info = jobenv.detect(self.master_port)
         _tag_log_records(info.rank)
         job, run_dir = self.job, Path(self.run_dir)
         torch.set_num_threads(job.resources.cpus_per_task)
@@ -60,8 +62,12 @@ class TrainJob:
         device = distributed.device_for(info)
         log.info("rank %d/%d on %s (%s, backend %s)", info.rank, info.world_size, info.node, device, backend)
         log.info("NCCL environment: %s", {key: os.environ[key] for key in sorted(job.nccl.to_env())})
+        if job.resources.gpus_per_node and device.type == "cpu":
+            log.warning("GPUs were requested but CUDA is not available here: training on the CPU with gloo")
+        ranks = distributed.gather_ranks(info)
         metrics = MetricsLog(run_dir / METRICS_FILE if info.is_main else None)
         view = ProgressView(job.trainer.max_steps, job.name, enabled=self.show_progress and info.is_main)
+        telemetry = Telemetry.start(job, info, ranks, device.type == "cuda", run_dir)
         try:
             seed_everything(job.trainer.seed)
             build = load_task_builder(job.task)
@@ -69,13 +75,16 @@ class TrainJob:
             checkpoints = CheckpointManager(
                 run_dir / CHECKPOINT_DIR, job.checkpoint.every_steps, job.checkpoint.keep, info.rank
             )
-            trainer = Trainer(job, info, device, task, checkpoints, metrics, on_step=lambda _, r: view.update(r))
+            trainer = Trainer(
+                job, info, device, task, checkpoints, metrics, on_step=lambda _, r: view.update(r), telemetry=telemetry
+            )
             result = trainer.fit()
-            result["node"] = info.node
+            result["ranks"] = ranks
             if info.is_main:
                 write_json_atomic(run_dir / RESULT_FILE, result)
             return result
         finally:
+            telemetry.close()
             view.close()
             metrics.close()
             distributed.destroy_process_group()

@@ -17,10 +17,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 from gpujobs.config import JobConfig
 from gpujobs.run.checkpoint import CheckpointManager
-from gpujobs.run.distributed import DistInfo
+from gpujobs.run.jobenv import DistInfo
 from gpujobs.run.metrics import MetricsLog, param_digest
 from gpujobs.run.optim import build_optimizer, build_scheduler
 from gpujobs.run.task import Task
+from gpujobs.run.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 
@@ -65,11 +66,13 @@ class StepTimes:
     steps: int = 0
     step_s: float = 0.0
     data_s: float = 0.0
+    local_s: float = 0.0
+    """Data wait + forward: the part of the step before the gradient all-reduce makes ranks wait."""
     loss_sum: float = 0.0
 
     def reset(self) -> None:
         """Start a new window."""
-        self.steps, self.step_s, self.data_s, self.loss_sum = 0, 0.0, 0.0, 0.0
+        self.steps, self.step_s, self.data_s, self.local_s, self.loss_sum = 0, 0.0, 0.0, 0.0, 0.0
 
 
 class Trainer:
@@ -84,6 +87,7 @@ class Trainer:
         checkpoints: CheckpointManager,
         metrics: MetricsLog,
         on_step: Optional[Callable[[int, dict[str, Any]], None]] = None,
+        telemetry: Optional[Telemetry] = None,
     ) -> None:
         self.job = job
         self.info = info
@@ -92,6 +96,7 @@ class Trainer:
         self.checkpoints = checkpoints
         self.metrics = metrics
         self.on_step = on_step or (lambda step, record: None)
+        self.telemetry = telemetry or Telemetry()
         cfg = job.trainer
         self.model = task.model.to(device)
         self.ddp: torch.nn.Module = self.model
@@ -159,11 +164,14 @@ class Trainer:
         loss_total = torch.zeros((), device=self.device)
         for micro, sync in self._micro_steps():
             fetch = time.perf_counter()
+            if micro == 0:
+                self.telemetry.before_step()
             batch = self.task.train_batch(self.step, micro, self.device)
             times.data_s += time.perf_counter() - fetch
             with sync:
                 with self.autocast():
                     loss = self.task.loss(self.ddp, batch) / accum
+                times.local_s += time.perf_counter() - fetch
                 loss.backward()
             loss_total += loss.detach()
         if self.job.trainer.grad_clip is not None:
@@ -224,7 +232,7 @@ class Trainer:
 
     def _log_window(self, times: StepTimes, elapsed: float, samples_per_step: int) -> None:
         """Gather every rank's timing (one small all-gather per log line) and write the record."""
-        mine = torch.tensor([times.step_s / times.steps, times.data_s / times.steps, times.loss_sum / times.steps])
+        mine = torch.tensor([times.step_s, times.data_s, times.loss_sum, times.local_s]) / times.steps
         if dist.is_initialized():
             gathered = [torch.zeros_like(mine) for _ in range(self.info.world_size)]
             dist.all_gather(gathered, mine)
@@ -239,7 +247,9 @@ class Trainer:
             "samples_per_s": round(samples_per_step * times.steps / elapsed, 2),
             "step_time_s": [round(float(x), 6) for x in table[:, 0]],
             "data_time_s": [round(float(x), 6) for x in table[:, 1]],
+            "local_time_s": [round(float(x), 6) for x in table[:, 3]],
         }
+        self.telemetry.step(record)
         self.metrics.write(record)
         self.on_step(self.step, record)
 
@@ -249,6 +259,7 @@ class Trainer:
         if self.info.is_main:
             results = {k: round(float(v), 6) for k, v in self.task.evaluate(self.model, self.device).items()}
             record = {"kind": "eval", "step": self.step, **results}
+            self.telemetry.step(record)
             self.metrics.write(record)
             self.on_step(self.step, record)
         self._barrier()

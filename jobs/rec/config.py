@@ -76,7 +76,7 @@ class DLRMConfig:
         self.bottom_mlp = _int_list("bottom_mlp", self.bottom_mlp, 1, min_len=0)
         self.top_mlp = _int_list("top_mlp", self.top_mlp, 1, min_len=0)
         if self.interaction not in INTERACTIONS:
-            raise ConfigError("interaction", self.interaction, " | ".join(INTERACTIONS))
+            raise ConfigError("interaction", self.interaction, f"one of {', '.join(INTERACTIONS)}")
         self.embedding_lr_scale = _float_in("embedding_lr_scale", self.embedding_lr_scale, 0.0, 1e3)
 
     def build(self, features: FeatureSpec) -> DLRM:

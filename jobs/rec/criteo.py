@@ -77,7 +77,5 @@ def _integer_feature(text: str, path: str | Path, number: int, column: int) -> f
     try:
         value = int(text)
     except ValueError:
-        raise CriteoFormatError(
-            f"{path}:{number}: integer feature I{column} is {text!r}, not an integer"
-        ) from None
+        raise CriteoFormatError(f"{path}:{number}: integer feature I{column} is {text!r}, not an integer") from None
     return math.log1p(max(value, 0))

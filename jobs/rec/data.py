@@ -173,8 +173,7 @@ def _check_split(name: str, split: RecBatch, features: FeatureSpec) -> None:
     for field_name, tensor, dtype, shape in expected:
         if tensor.dtype != dtype or tuple(tensor.shape) != shape:
             raise ValueError(
-                f"{name} split: {field_name} is {tensor.dtype}{list(tensor.shape)}, "
-                f"expected {dtype}{list(shape)}"
+                f"{name} split: {field_name} is {tensor.dtype}{list(tensor.shape)}, expected {dtype}{list(shape)}"
             )
     if rows == 0:
         raise ValueError(f"{name} split has no rows")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -12,7 +13,7 @@ def _mlp(in_features: int, hidden: Sequence[int], out_features: int) -> nn.Seque
     """Linear layers through `hidden` sizes with ReLU between them; the last layer stays linear."""
     sizes = [in_features, *hidden, out_features]
     layers: list[nn.Module] = []
-    for i, (fan_in, fan_out) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):
+    for i, (fan_in, fan_out) in enumerate(itertools.pairwise(sizes)):
         if i > 0:
             layers.append(nn.ReLU())
         layers.append(nn.Linear(fan_in, fan_out))

@@ -1,0 +1,83 @@
+"""GPU throughput of the gpujobs Trainer against a plain loop, side by side in one invocation (needs CUDA).
+
+    python bench/bench_gpu.py [--steps 300] [--rounds 3] [overrides...]
+
+The CUDA sibling of bench_trainer.py: one rank on one GPU, bf16 autocast in both loops (the trainer's
+`amp=auto` on CUDA), the rec experiment, rounds alternating a, b, b, a…; the median ratio of samples/s
+is reported. Exits 3 with one line where there is no CUDA GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from bench_trainer import job_config
+
+from gpujobs.config import JobConfig
+from gpujobs.run.checkpoint import CheckpointManager
+from gpujobs.run.entry import load_task_builder
+from gpujobs.run.jobenv import DistInfo
+from gpujobs.run.metrics import MetricsLog
+from gpujobs.run.trainer import Trainer, seed_everything
+
+
+def run(kind: str, job: JobConfig) -> float:
+    device = torch.device("cuda", 0)
+    seed_everything(job.trainer.seed)
+    task = load_task_builder(job.task)(job.model, job.data, 0, 1, job.trainer.grad_accum)
+    if kind == "gpujobs":
+        info = DistInfo(0, 0, 1, 1, "127.0.0.1", 29500, "bench")
+        with tempfile.TemporaryDirectory() as tmp:
+            trainer = Trainer(job, info, device, task, CheckpointManager(Path(tmp), 0, 1, 0), MetricsLog(None))
+            return float(trainer.fit()["samples_per_s"])
+    model = task.model.to(device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=job.optim.lr)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for step in range(job.trainer.max_steps):
+        batch = task.train_batch(step, 0, device)
+        with torch.autocast(device_type="cuda", dtype=torch.bfloat16):
+            loss = task.loss(model, batch)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    return task.samples_per_micro_batch * job.trainer.max_steps / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_gpu: no CUDA GPU here (torch.cuda.is_available() is False); this bench needs one",
+              file=sys.stderr)
+        raise SystemExit(3)
+    job = job_config(args.steps, ["resources.gpus_per_node=1", "trainer.log_every=50", *args.overrides])
+    rates: dict[str, list[float]] = {"gpujobs": [], "plain": []}
+    run("plain", job)  # warm-up: CUDA context, kernels, allocator
+    for round_ in range(args.rounds):
+        for kind in ("gpujobs", "plain") if round_ % 2 == 0 else ("plain", "gpujobs"):
+            rates[kind].append(run(kind, job))
+            print(f"round {round_}: {kind:8s} {rates[kind][-1]:12.0f} samples/s", file=sys.stderr)
+    ratios = [a / b for a, b in zip(rates["gpujobs"], rates["plain"], strict=True)]
+    print(json.dumps({
+        "device": torch.cuda.get_device_name(0),
+        "steps": args.steps,
+        "trainer_samples_per_s": round(statistics.median(rates["gpujobs"]), 1),
+        "plain_samples_per_s": round(statistics.median(rates["plain"]), 1),
+        "trainer_vs_plain": round(statistics.median(ratios), 3),
+    }, indent=2))
+
+
+if __name__ == "__main__":
+    main()

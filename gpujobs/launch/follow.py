@@ -1,0 +1,85 @@
+"""Follow a running job from the submit side: rank 0's metrics as progress, then its outcome."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Optional
+
+from gpujobs.config import JobConfig
+from gpujobs.progress import ProgressView
+from gpujobs.run.entry import METRICS_FILE, RESULT_FILE
+
+_POLL_S = 0.25
+
+
+class MetricsFollower:
+    """Reads the records rank 0 appends to metrics.jsonl, as they arrive."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._offset = 0
+
+    def poll(self) -> Iterator[dict[str, Any]]:
+        """New complete lines since the last call."""
+        if not self.path.exists():
+            return
+        with open(self.path) as handle:
+            handle.seek(self._offset)
+            while True:
+                line = handle.readline()
+                if not line.endswith("\n"):  # a half-written line: read it next time
+                    break
+                self._offset += len(line.encode())
+                yield json.loads(line)
+
+
+class JobFollower:
+    """Progress of one run dir across the attempts of its job (a context manager)."""
+
+    def __init__(self, run_dir: Path, job: JobConfig) -> None:
+        self.run_dir = run_dir
+        self.metrics = MetricsFollower(run_dir / METRICS_FILE)
+        self.view = ProgressView(job.trainer.max_steps, job.name, enabled=job.trainer.progress)
+
+    def __enter__(self) -> JobFollower:
+        return self
+
+    def __exit__(self, *exc: tuple[type[BaseException] | None, BaseException | None, TracebackType | None]) -> None:
+        self.view.close()
+
+    def _show_new(self) -> None:
+        for record in self.metrics.poll():
+            self.view.update(record)
+
+    def follow(self, sjob: Any) -> Optional[str]:
+        """Show progress until `sjob` ends; None when every rank succeeded, else the failure's last line."""
+        import submitit
+
+        try:
+            while not sjob.done():
+                self._show_new()
+                time.sleep(_POLL_S)
+            self._show_new()
+            sjob.results()
+        except KeyboardInterrupt:
+            sjob.cancel()
+            raise
+        except (submitit.core.utils.FailedJobError, submitit.core.utils.UncompletedJobError) as err:
+            lines = [line for line in str(err).splitlines() if line.strip()]
+            return lines[-1] if lines else type(err).__name__
+        self.print_result()
+        return None
+
+    def print_result(self) -> None:
+        """One line of the result's headline numbers, and where the result is."""
+        path = self.run_dir / RESULT_FILE
+        if not path.exists():
+            return
+        result = json.loads(path.read_text())
+        keys = ("status", "steps", "world_size", "auc", "oracle_auc", "samples_per_s")
+        print("gpujobs: " + " ".join(f"{k}={result[k]}" for k in keys if k in result))
+        print(f"gpujobs: result in {path}")

@@ -1,0 +1,103 @@
+"""Render, then send: the one sbatch script of a job, from `sbatch_templates/` (pure functions).
+
+What is queued, what a dry run prints and the `submit.sbatch` kept in the run dir are all the text
+`render_sbatch` returns for the job's `SbatchRequest`: there is no second renderer to drift.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import jinja2
+
+from gpujobs.config import JobConfig
+
+#: sbatch_templates/ at the repository root; GPUJOBS_SBATCH_TEMPLATES points elsewhere.
+TEMPLATE_DIR = Path(
+    os.environ.get("GPUJOBS_SBATCH_TEMPLATES") or Path(__file__).resolve().parents[2] / "sbatch_templates"
+)
+TEMPLATE = "job.sbatch.j2"
+
+
+@dataclass(frozen=True)
+class SbatchRequest:
+    """Everything the script says, already decided: flags, environment, logs, command."""
+
+    flags: tuple[tuple[str, Optional[str]], ...]
+    env: tuple[tuple[str, str], ...]
+    stdout: str
+    stderr: str
+    command: str
+    signal_lead_s: int
+
+    def __repr__(self) -> str:
+        return render_sbatch(self)
+
+
+def sbatch_request(job: JobConfig, folder: Path, command: str, *, array: Optional[str] = None) -> SbatchRequest:
+    """The request for `job`, whose submitit files live in `folder`, running `command` on every task."""
+    cluster, res = job.cluster, job.resources
+    log_stem = str(Path(folder) / ("%A_%a" if array else "%j"))
+    flags: list[tuple[str, Optional[str]]] = [
+        ("job-name", job.name),
+        ("nodes", str(res.nodes)),
+        ("ntasks-per-node", str(res.ranks_per_node)),
+        ("cpus-per-task", str(res.cpus_per_task)),
+    ]
+    if res.gpus_per_node:
+        flags.append(("gpus-per-node", str(res.gpus_per_node)))
+    if res.mem_gb is not None:
+        flags.append(("mem", f"{int(res.mem_gb * 1024)}M"))
+    flags.append(("time", str(cluster.timeout_min)))
+    for key in ("partition", "account", "qos", "constraint", "exclude"):
+        value = getattr(cluster, key)
+        if value is not None:
+            flags.append((key, value))
+    if array is not None:
+        flags.append(("array", array))
+    flags += [
+        ("signal", f"USR2@{cluster.signal_lead_s}"),
+        ("requeue", None),
+        ("open-mode", "append"),
+        ("output", f"{log_stem}_0_log.out"),
+        ("error", f"{log_stem}_0_log.err"),
+    ]
+    return SbatchRequest(
+        flags=tuple(flags),
+        env=tuple(sorted(job.nccl.to_env().items())),
+        stdout=f"{log_stem}_%t_log.out",
+        stderr=f"{log_stem}_%t_log.err",
+        command=command,
+        signal_lead_s=cluster.signal_lead_s,
+    )
+
+
+@functools.lru_cache(maxsize=1)
+def _template() -> jinja2.Template:
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)),
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+        undefined=jinja2.StrictUndefined,
+        autoescape=False,  # a shell script, not HTML: every value goes through the `q` filter instead
+    )
+    env.filters["q"] = lambda value: shlex.quote(str(value))
+    return env.get_template(TEMPLATE)
+
+
+def render_sbatch(request: SbatchRequest) -> str:
+    """The script's text. Every value from config is shell-quoted."""
+    return _template().render(
+        flags=request.flags,
+        env=request.env,
+        stdout=request.stdout,
+        stderr=request.stderr,
+        command=request.command,
+        signal_lead_s=request.signal_lead_s,
+    )

@@ -1,0 +1,178 @@
+"""NVML, asked carefully: which GPUs a process sees and what one GPU reads now (torch-free).
+
+Both sides use it: the submit side to pick free GPUs for a local run, the job side's per-node sampler
+for gpu.jsonl. Every query is guarded, because drivers and GPU models differ in what they report
+(consumer cards have no ECC counters, some report no power limit): a field NVML cannot give is left out.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from typing import Any, Optional
+
+# Bits of nvmlDeviceGetCurrentClocksEventReasons (NVML's documented values); gpu_idle is left out:
+# an idle GPU is not a throttled one.
+THROTTLE_REASONS = {
+    0x2: "applications_clocks",
+    0x4: "sw_power_cap",
+    0x8: "hw_slowdown",
+    0x10: "sync_boost",
+    0x20: "sw_thermal",
+    0x40: "hw_thermal",
+    0x80: "hw_power_brake",
+    0x100: "display_clocks",
+}
+
+
+class NvmlUnavailable(RuntimeError):
+    """No NVML here (no NVIDIA driver, or no libnvidia-ml)."""
+
+
+@contextmanager
+def nvml_session() -> Iterator[Any]:
+    """Yield the initialised `pynvml` module; raises NvmlUnavailable where there is no NVML."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception as err:  # pynvml raises NVMLError_LibraryNotFound, DriverNotLoaded, ...
+        raise NvmlUnavailable(str(err) or type(err).__name__) from None
+    try:
+        yield pynvml
+    finally:
+        pynvml.nvmlShutdown()
+
+
+@dataclass(frozen=True)
+class VisibleGpu:
+    """One GPU this process may use: NVML's index, CUDA's index (CUDA_VISIBLE_DEVICES terms), uuid."""
+
+    index: int
+    cuda_index: int
+    uuid: str
+    handle: Any
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def visible_gpus(nv: Any) -> list[VisibleGpu]:
+    """The GPUs CUDA_VISIBLE_DEVICES names (indices or UUIDs), in its order; all GPUs when unset.
+
+    NVML numbers GPUs in PCI bus order; numeric CUDA_VISIBLE_DEVICES entries are read as those
+    numbers, which is what Slurm and submitit write (and what CUDA uses with CUDA_DEVICE_ORDER=PCI_BUS_ID).
+    """
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    entries = (
+        [e.strip() for e in listed.split(",") if e.strip()]
+        if listed is not None
+        else [str(i) for i in range(int(nv.nvmlDeviceGetCount()))]
+    )
+    found = []
+    for cuda_index, entry in enumerate(entries):
+        try:
+            handle = (
+                nv.nvmlDeviceGetHandleByIndex(int(entry))
+                if entry.isdigit()
+                else nv.nvmlDeviceGetHandleByUUID(entry)
+            )
+            found.append(
+                VisibleGpu(
+                    index=int(nv.nvmlDeviceGetIndex(handle)),
+                    cuda_index=cuda_index,
+                    uuid=_text(nv.nvmlDeviceGetUUID(handle)),
+                    handle=handle,
+                )
+            )
+        except nv.NVMLError:  # a MIG slice or a stale entry: CUDA will not use it as a whole GPU
+            continue
+    return found
+
+
+def _guarded(nv: Any, query: Callable[[], Any]) -> Optional[Any]:
+    try:
+        return query()
+    except nv.NVMLError:  # NotSupported, NoPermission, ...: leave the field out
+        return None
+
+
+def read_gpu(nv: Any, handle: Any) -> dict[str, Any]:
+    """What one GPU reads now; fields NVML does not report on this GPU are absent."""
+    out: dict[str, Any] = {}
+    util = _guarded(nv, lambda: nv.nvmlDeviceGetUtilizationRates(handle))
+    if util is not None:
+        out["util_pct"] = int(util.gpu)
+        out["mem_util_pct"] = int(util.memory)
+    mem = _guarded(nv, lambda: nv.nvmlDeviceGetMemoryInfo(handle))
+    if mem is not None:
+        out["mem_used_mib"] = round(mem.used / 2**20, 1)
+        out["mem_total_mib"] = round(mem.total / 2**20, 1)
+    scalars: dict[str, tuple[Callable[[], Any], float]] = {
+        "temp_c": (lambda: nv.nvmlDeviceGetTemperature(handle, nv.NVML_TEMPERATURE_GPU), 1.0),
+        "power_w": (lambda: nv.nvmlDeviceGetPowerUsage(handle), 1e-3),
+        "power_limit_w": (lambda: nv.nvmlDeviceGetEnforcedPowerLimit(handle), 1e-3),
+        "sm_clock_mhz": (lambda: nv.nvmlDeviceGetClockInfo(handle, nv.NVML_CLOCK_SM), 1.0),
+        "ecc_uncorrected": (
+            lambda: nv.nvmlDeviceGetTotalEccErrors(
+                handle, nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nv.NVML_VOLATILE_ECC
+            ),
+            1.0,
+        ),
+    }
+    for key, (query, scale) in scalars.items():
+        value = _guarded(nv, query)
+        if value is not None:
+            out[key] = round(value * scale, 1) if scale != 1.0 else int(value)
+    reasons = _guarded(nv, lambda: _throttle_mask(nv, handle))
+    if reasons is not None:
+        out["throttle"] = [name for bit, name in THROTTLE_REASONS.items() if int(reasons) & bit]
+    return out
+
+
+def _throttle_mask(nv: Any, handle: Any) -> int:
+    # renamed in NVML 12.x; older bindings only have the "Throttle" spelling
+    query = getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None) or nv.nvmlDeviceGetCurrentClocksThrottleReasons
+    return int(query(handle))
+
+
+class XidWatcher:
+    """XID errors (the driver's fatal/critical GPU error codes) since the last `poll`, per GPU uuid.
+
+    NVML reports XIDs only as events: register once, then drain without waiting on each sample.
+    Where events are not supported (some drivers, containers), `poll` always returns {}.
+    """
+
+    def __init__(self, nv: Any, gpus: list[VisibleGpu]) -> None:
+        self.nv = nv
+        self.events: Any = None
+        try:
+            events = nv.nvmlEventSetCreate()
+            for gpu in gpus:
+                nv.nvmlDeviceRegisterEvents(gpu.handle, nv.nvmlEventTypeXidCriticalError, events)
+            self.events = events
+        except (nv.NVMLError, AttributeError):
+            self.events = None
+
+    def poll(self) -> dict[str, list[int]]:
+        """Drain pending XID events (non-blocking)."""
+        seen: dict[str, list[int]] = {}
+        if self.events is None:
+            return seen
+        while True:
+            try:
+                event = self.nv.nvmlEventSetWait_v2(self.events, 0)
+            except self.nv.NVMLError:  # Timeout: nothing pending
+                return seen
+            uuid = _text(self.nv.nvmlDeviceGetUUID(event.device))
+            seen.setdefault(uuid, []).append(int(event.eventData))
+
+    def close(self) -> None:
+        """Free the event set."""
+        if self.events is not None:
+            with suppress(self.nv.NVMLError):
+                self.nv.nvmlEventSetFree(self.events)
+            self.events = None

@@ -1,0 +1,167 @@
+"""`python -m gpujobs.report RUN_DIR`: PNG plots of a run and a short text summary (torch-free).
+
+Reads metrics.jsonl, gpu.jsonl (when the run had GPU telemetry) and result.json; writes
+RUN_DIR/report/{loss,throughput,step_time,gpu}.png and prints the summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any
+
+REPORT_DIR = "report"
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """Every complete line of a JSON-lines file ([] when it does not exist)."""
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:  # a line cut short by a crash: skip it
+            continue
+    return records
+
+
+def summarize(metrics: list[dict[str, Any]], gpus: list[dict[str, Any]], result: dict[str, Any]) -> list[str]:
+    """The text summary: final metrics, throughput, imbalance, GPU use."""
+    train = [r for r in metrics if r.get("kind") == "train"]
+    evals = [r for r in metrics if r.get("kind") == "eval"]
+    lines = [f"status {result.get('status', '?')}, {result.get('steps', '?')} steps, "
+             f"{result.get('world_size', '?')} ranks, wall {result.get('wall_s', '?')} s"]
+    if evals:
+        last = {k: v for k, v in evals[-1].items() if k not in ("kind", "time")}
+        lines.append("final eval: " + ", ".join(f"{k}={v}" for k, v in last.items()))
+    if train:
+        rates = [r["samples_per_s"] for r in train]
+        lines.append(f"throughput: median {statistics.median(rates):.0f} samples/s (last {rates[-1]:.0f}), "
+                     f"final loss {train[-1]['loss']:.4f}")
+        ratios = [r["imbalance"] for r in train if "imbalance" in r]
+        if ratios:
+            slowest = Counter(r["slowest_rank"] for r in train if "slowest_rank" in r).most_common(1)[0][0]
+            lines.append(f"imbalance (slowest/median local step time): median {statistics.median(ratios):.2f}, "
+                         f"max {max(ratios):.2f}; most often slowest: rank {slowest}")
+    if gpus:
+        by_gpu: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        for sample in gpus:
+            by_gpu[_gpu_name(sample)].append(sample)
+        for name, samples in sorted(by_gpu.items()):
+            util = [s["util_pct"] for s in samples if "util_pct" in s]
+            mem = [s["mem_used_mib"] for s in samples if "mem_used_mib" in s]
+            total = samples[-1].get("mem_total_mib")
+            parts = [f"{name}: {len(samples)} samples"]
+            if util:
+                parts.append(f"util mean {statistics.mean(util):.0f}% (max {max(util)}%)")
+            if mem:
+                parts.append(f"memory peak {max(mem) / 1024:.1f}" + (f"/{total / 1024:.1f} GiB" if total else " GiB"))
+            lines.append(", ".join(parts))
+    else:
+        lines.append("GPU use: no gpu.jsonl (no NVML, or a CPU run): GPU plots skipped")
+    return lines
+
+
+def _gpu_name(sample: dict[str, Any]) -> str:
+    rank = sample.get("rank")
+    return f"{sample.get('node')}/GPU {sample.get('gpu')}" + (f" (rank {rank})" if rank is not None else "")
+
+
+def plot(metrics: list[dict[str, Any]], gpus: list[dict[str, Any]], out: Path) -> list[Path]:
+    """Write the PNGs into `out`; returns their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display on compute nodes
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    train = [r for r in metrics if r.get("kind") == "train"]
+    evals = [r for r in metrics if r.get("kind") == "eval"]
+    steps = [r["step"] for r in train]
+    written = []
+
+    def save(fig: Any, name: str) -> None:
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+        written.append(out / name)
+
+    fig, (ax_loss, ax_eval) = plt.subplots(1, 2, figsize=(10, 3.8))
+    ax_loss.plot(steps, [r["loss"] for r in train], marker=".")
+    ax_loss.set(title="training loss", xlabel="step", ylabel="loss")
+    eval_keys = sorted({k for r in evals for k in r if k not in ("kind", "step", "time")})
+    for key in eval_keys:
+        ax_eval.plot([r["step"] for r in evals if key in r], [r[key] for r in evals if key in r], marker="o", label=key)
+    ax_eval.set(title="evaluation", xlabel="step")
+    if eval_keys:
+        ax_eval.legend()
+    save(fig, "loss.png")
+
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    ax.plot(steps, [r["samples_per_s"] for r in train], marker=".")
+    ax.set(title="throughput (all ranks)", xlabel="step", ylabel="samples/s")
+    ax.set_ylim(bottom=0)
+    save(fig, "throughput.png")
+
+    fig, (ax_step, ax_local) = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
+    world = max((len(r.get("step_time_s", [])) for r in train), default=0)
+    for rank in range(world):
+        ax_step.plot(steps, [r["step_time_s"][rank] for r in train], marker=".", label=f"rank {rank}")
+        if all("local_time_s" in r for r in train):
+            ax_local.plot(steps, [r["local_time_s"][rank] for r in train], marker=".", label=f"rank {rank}")
+    ax_step.set(title="step time per rank", xlabel="step", ylabel="seconds")
+    ax_local.set(title="local time (data + forward) per rank", xlabel="step")
+    ax_step.legend()
+    save(fig, "step_time.png")
+
+    if gpus:
+        start = min(s["time"] for s in gpus)
+        fig, (ax_util, ax_mem) = plt.subplots(1, 2, figsize=(10, 3.8))
+        by_gpu: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        for sample in gpus:
+            by_gpu[_gpu_name(sample)].append(sample)
+        for name, samples in sorted(by_gpu.items()):
+            ax_util.plot([s["time"] - start for s in samples if "util_pct" in s],
+                         [s["util_pct"] for s in samples if "util_pct" in s], label=name)
+            ax_mem.plot([s["time"] - start for s in samples if "mem_used_mib" in s],
+                        [s["mem_used_mib"] / 1024 for s in samples if "mem_used_mib" in s], label=name)
+        ax_util.set(title="GPU utilization", xlabel="seconds", ylabel="%", ylim=(0, 105))
+        ax_mem.set(title="GPU memory used", xlabel="seconds", ylabel="GiB")
+        ax_util.legend(fontsize="small")
+        save(fig, "gpu.png")
+    return written
+
+
+def report(run_dir: Path) -> list[str]:
+    """Plot the run into RUN_DIR/report/ and return the summary lines."""
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    if not metrics:
+        raise FileNotFoundError(f"{run_dir / 'metrics.jsonl'}: missing or empty (is this a gpujobs run dir?)")
+    gpus = read_jsonl(run_dir / "gpu.jsonl")
+    result_path = run_dir / "result.json"
+    result = json.loads(result_path.read_text()) if result_path.exists() else {"status": "running or failed"}
+    written = plot(metrics, gpus, run_dir / REPORT_DIR)
+    return [*summarize(metrics, gpus, result), "plots: " + ", ".join(str(p) for p in written)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry: 0 on success, 2 when RUN_DIR holds no metrics."""
+    parser = argparse.ArgumentParser(prog="python -m gpujobs.report", description=__doc__.splitlines()[0])
+    parser.add_argument("run_dir", type=Path)
+    args = parser.parse_args(argv)
+    try:
+        lines = report(args.run_dir)
+    except FileNotFoundError as err:
+        print(f"gpujobs: {err}", file=sys.stderr)
+        return 2
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,88 @@
+"""Straggler detection: which rank holds the others back, from the timings the trainer gathers (torch-free).
+
+Synchronous DDP makes every rank's step time equal: the fast ranks wait inside the gradient
+all-reduce for the slowest one. So the signal is each rank's *local* time, the part of the step
+before the first collective (waiting for data, then the forward pass); imbalance = slowest / median.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from dataclasses import dataclass
+from typing import Any, Optional
+
+log = logging.getLogger(__name__)
+
+#: Warn only when the straggler also costs something: the others wait at least this share of a step.
+#: Without it, sub-millisecond noise between fast ranks would read as a 1.3x "imbalance".
+MIN_WAIT_SHARE = 0.10
+
+
+@dataclass(frozen=True)
+class Peer:
+    """Where one rank runs: gathered from every rank once, at start."""
+
+    rank: int
+    node: str
+    gpu: str
+    """The GPU in the node's terms (physical index, else its uuid), or "cpu"."""
+    cuda_index: Optional[int] = None
+    """The rank's GPU in CUDA_VISIBLE_DEVICES terms (None on CPU ranks)."""
+
+    @classmethod
+    def from_rank(cls, entry: dict[str, Any], on_gpu: bool) -> Peer:
+        """From one entry of `distributed.gather_ranks`; a rank uses GPU local_rank % visible GPUs."""
+        if not on_gpu:
+            return cls(int(entry["rank"]), str(entry["node"]), "cpu")
+        listed = entry.get("cuda_visible_devices")
+        visible = [e.strip() for e in (listed or "").split(",") if e.strip()]
+        local_rank = int(entry["local_rank"])
+        index = local_rank % len(visible) if visible else local_rank
+        gpu = visible[index] if visible else str(index)
+        return cls(int(entry["rank"]), str(entry["node"]), gpu, cuda_index=index)
+
+    def where(self) -> str:
+        """`rank 1 (node n1, GPU 3)`, for log lines."""
+        device = "CPU" if self.gpu == "cpu" else f"GPU {self.gpu}"
+        return f"rank {self.rank} (node {self.node}, {device})"
+
+
+def imbalance(local_times: list[float]) -> tuple[float, int]:
+    """(slowest / median, the slowest rank); (1.0, 0) when there is nothing to compare."""
+    median = statistics.median(local_times) if local_times else 0.0
+    if len(local_times) < 2 or median <= 0:
+        return 1.0, 0
+    slowest = max(range(len(local_times)), key=local_times.__getitem__)
+    return local_times[slowest] / median, slowest
+
+
+class StragglerCheck:
+    """Adds `imbalance` and `slowest_rank` to each train record; warns (on rank 0) above the threshold."""
+
+    def __init__(self, threshold: float, peers: list[Peer], warn: bool) -> None:
+        self.threshold = threshold
+        self.peers = peers
+        self.warn = warn
+
+    def check(self, record: dict[str, Any]) -> Optional[str]:
+        """Annotate `record`; return the warning text when the slowest rank is over the threshold."""
+        times = record.get("local_time_s") or []
+        ratio, slowest = imbalance(times)
+        record["imbalance"] = round(ratio, 3)
+        record["slowest_rank"] = slowest
+        if ratio <= self.threshold:
+            return None
+        step_s = statistics.median(record.get("step_time_s") or times)
+        wait_share = (times[slowest] - statistics.median(times)) / step_s if step_s > 0 else 0.0
+        if wait_share < MIN_WAIT_SHARE:
+            return None
+        peer = self.peers[slowest] if slowest < len(self.peers) else Peer(slowest, "?", "?")
+        message = (
+            f"straggler at step {record.get('step')}: {peer.where()} is {ratio:.2f}x the median local step time "
+            f"({times[slowest]:.4f} s vs {statistics.median(times):.4f} s; threshold {self.threshold:g}); "
+            f"the others wait {wait_share:.0%} of each step for it"
+        )
+        if self.warn:
+            log.warning(message)
+        return message

@@ -1,0 +1,84 @@
+"""The training loop's one telemetry hook: straggler check, Prometheus, the node's GPU sampler.
+
+The trainer calls `before_step()` and `step(record)`; everything else (who samples, who serves,
+when to warn) is decided here. Torch-free: it learns each rank's node and GPU from the table that
+the entry gathers once at start.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from gpujobs.config import JobConfig, TelemetryConfig
+from gpujobs.run.gpu_sampler import GPU_FILE, GpuSampler
+from gpujobs.run.jobenv import DistInfo
+from gpujobs.run.prometheus import PrometheusExporter
+from gpujobs.run.straggler import Peer, StragglerCheck
+
+log = logging.getLogger(__name__)
+
+
+class Telemetry:
+    """Per-rank telemetry state; `Telemetry()` alone is the quiet default (straggler check only)."""
+
+    def __init__(
+        self,
+        cfg: Optional[TelemetryConfig] = None,
+        info: Optional[DistInfo] = None,
+        peers: Optional[list[Peer]] = None,
+    ) -> None:
+        self.cfg = cfg or TelemetryConfig()
+        rank = info.rank if info is not None else 0
+        self.slow_s = self.cfg.debug_slow_ms / 1000 if self.cfg.debug_slow_rank == rank else 0.0
+        self.straggler = StragglerCheck(self.cfg.imbalance_threshold, peers or [], warn=rank == 0)
+        self.exporter: Optional[PrometheusExporter] = None
+        self.sampler: Optional[GpuSampler] = None
+
+    @classmethod
+    def start(
+        cls, job: JobConfig, info: DistInfo, ranks: list[dict[str, Any]], on_gpu: bool, run_dir: Path
+    ) -> Telemetry:
+        """Start the endpoint (rank 0) and the node's sampler (local rank 0).
+
+        `ranks` is every rank's place, from `distributed.gather_ranks`; `on_gpu`: ranks use CUDA.
+        """
+        cfg = job.telemetry
+        peers = [Peer.from_rank(entry, on_gpu) for entry in ranks]
+        self = cls(cfg, info, peers)
+        if info.is_main and cfg.prometheus_port is not None:
+            self.exporter = PrometheusExporter(job.name, peers)
+            self.exporter.start(cfg.prometheus_port, cfg.prometheus_addr, run_dir)
+        if info.local_rank == 0 and cfg.gpu:
+            on_node = {p.cuda_index: p.rank for p in peers if p.node == info.node and p.cuda_index is not None}
+            sink = self.exporter.observe_gpus if self.exporter is not None else None
+            self.sampler = GpuSampler(run_dir / GPU_FILE, cfg.interval_s, info.node, on_node, sink)
+            if not self.sampler.start():
+                self.sampler = None
+        if self.slow_s:
+            log.warning("debug: rank %d sleeps %.0f ms every step (telemetry.debug_slow_rank)", info.rank,
+                        cfg.debug_slow_ms)
+        return self
+
+    def before_step(self) -> None:
+        """Called where the step waits for data: the debug straggler sleeps here, like a slow input pipeline."""
+        if self.slow_s:
+            time.sleep(self.slow_s)
+
+    def step(self, record: dict[str, Any]) -> None:
+        """A metrics record is about to be written: annotate train records, feed the endpoint."""
+        if record.get("kind") == "train":
+            self.straggler.check(record)
+        if self.exporter is not None:
+            self.exporter.observe(record)
+
+    def close(self) -> None:
+        """Stop the sampler and the endpoint (after `prometheus_linger_s`)."""
+        if self.sampler is not None:
+            self.sampler.stop()
+            self.sampler = None
+        if self.exporter is not None:
+            self.exporter.close(self.cfg.prometheus_linger_s)
+            self.exporter = None

@@ -1,0 +1,26 @@
+"""A user's own training script, written for torchrun: it knows nothing about gpujobs.
+
+It joins the process group from the torchrun variables, all-reduces its rank, and writes what it saw.
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+dist.init_process_group("gloo", rank=rank, world_size=world)  # env:// from MASTER_ADDR / MASTER_PORT
+total = torch.tensor([float(rank)])
+dist.all_reduce(total)
+seen = {
+    key: os.environ[key]
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+}
+seen["rank_sum"] = total.item()
+seen["args"] = sys.argv[1:]
+seen["node"] = os.environ.get("SLURMD_NODENAME", "local")
+Path(os.environ["GPUJOBS_RUN_DIR"], f"seen_rank{rank}.json").write_text(json.dumps(seen))
+dist.destroy_process_group()

@@ -1,0 +1,78 @@
+"""GPU telemetry and GPU picking against a fake `pynvml` (tests/fake_nvml.py).
+
+This machine has no NVIDIA GPU and no NVML, so the driver's answers are faked: that is the one thing
+that cannot exist here. The sampler thread, gpu.jsonl, the picking policy and the config are real.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+from conftest import compose_job
+from fake_nvml import FakeGpu, install
+
+from gpujobs.errors import ConfigError
+from gpujobs.launch.gpus import choose_local_gpus, local_gpu_count
+from gpujobs.run.gpu_sampler import GpuSampler
+
+
+def test_sampler_writes_one_line_per_gpu_and_omits_unsupported_fields(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    install(monkeypatch, [FakeGpu(util=80, used_gb=30), FakeGpu(util=5, power_limit=False, xids=[79]),
+                          FakeGpu()])
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,GPU-fake-1")  # the job sees GPUs 2 and 1, in that order
+    seen: list[list[dict[str, object]]] = []
+    sampler = GpuSampler(tmp_path / "gpu.jsonl", 0.05, "n1", {0: 4, 1: 5}, sink=seen.append)
+    assert sampler.start()
+    deadline = time.monotonic() + 10
+    while len(seen) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    sampler.stop()
+    lines = [json.loads(line) for line in (tmp_path / "gpu.jsonl").read_text().splitlines()]
+    assert len(lines) % 2 == 0 and len(lines) >= 4
+    first, second = lines[0], lines[1]
+    assert (first["gpu"], first["cuda_index"], first["rank"], first["uuid"]) == (2, 0, 4, "GPU-fake-2")
+    assert (second["gpu"], second["cuda_index"], second["rank"], second["node"]) == (1, 1, 5, "n1")
+    assert second["util_pct"] == 5 and second["power_w"] == 251.0 and second["sm_clock_mhz"] == 1980
+    assert "power_limit_w" not in second and first["power_limit_w"] == 700.0
+    assert "ecc_uncorrected" not in first  # NotSupported: left out, not faked as 0
+    assert first["throttle"] == ["sw_power_cap"]  # gpu_idle is not a throttle
+    assert second["xid"] == [79] and "xid" not in lines[3]  # reported once, when it happened
+    assert first["mem_used_mib"] == pytest.approx(1e9 / 2**20, rel=1e-3)
+
+
+def test_without_nvml_sampler_is_off_and_says_so_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level("INFO")
+    sampler = GpuSampler(tmp_path / "gpu.jsonl", 0.05, "n1", {})
+    assert not sampler.start()
+    sampler.stop()
+    assert [r.message for r in caplog.records] == ["no NVML: GPU telemetry off"]
+    assert not (tmp_path / "gpu.jsonl").exists()
+    assert local_gpu_count() == 0
+
+
+def test_pick_gpus_takes_the_least_loaded_with_enough_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    install(monkeypatch, [FakeGpu(util=90), FakeGpu(util=0, used_gb=79), FakeGpu(util=3), FakeGpu(util=1)])
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    job = compose_job("+experiment=rec", "resources.gpus_per_node=2", "resources.pick_gpus=true",
+                      "resources.min_free_gpu_mem_gb=10")
+    assert choose_local_gpus(job.resources) == [2, 3]  # GPU 1 is idle but full; GPU 0 is busy
+    plain = compose_job("+experiment=rec", "resources.gpus_per_node=2")
+    assert choose_local_gpus(plain.resources) == [0, 1]
+
+
+def test_pick_gpus_refuses_when_too_few_fit(monkeypatch: pytest.MonkeyPatch) -> None:
+    install(monkeypatch, [FakeGpu(used_gb=79), FakeGpu(used_gb=10)])
+    job = compose_job("+experiment=rec", "resources.gpus_per_node=2", "resources.pick_gpus=true",
+                      "resources.min_free_gpu_mem_gb=20")
+    with pytest.raises(ConfigError, match=r"at most 1 here.*GPU 0: 10% busy, 1\.0 GB free"):
+        choose_local_gpus(job.resources)
+
+
+def test_min_free_gpu_mem_is_validated() -> None:
+    with pytest.raises(ConfigError, match="resources.min_free_gpu_mem_gb"):
+        compose_job("+experiment=rec", "resources.min_free_gpu_mem_gb=-1")

@@ -1,0 +1,279 @@
+"""The rec job's data side: config schemas, synthetic log, batch schedule, Criteo reader, metrics."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import subprocess
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from gpujobs.errors import ConfigError
+from jobs.rec.config import CriteoTSVConfig, DLRMConfig, SyntheticClicksConfig
+from jobs.rec.criteo import CriteoFormatError, read_criteo_tsv
+from jobs.rec.data import FeatureSpec, RecBatch, RecData
+from jobs.rec.metrics import auc, logloss
+from jobs.rec.synthetic import generate_clicks
+
+REPO = Path(__file__).resolve().parent.parent
+SMALL = SyntheticClicksConfig(num_train=3000, num_eval=1000, num_dense=3, cardinalities=[50, 20, 10], batch_size=32)
+
+
+# --- config -------------------------------------------------------------------------------------
+
+
+def test_config_import_leaves_torch_unimported() -> None:
+    code = "import jobs.rec.config, sys; assert 'torch' not in sys.modules, 'torch was imported'"
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)
+
+
+@pytest.mark.parametrize(
+    ("schema", "kwargs", "key"),
+    [
+        (DLRMConfig, {"embedding_dim": 0}, "embedding_dim"),
+        (DLRMConfig, {"top_mlp": [32, 0]}, "top_mlp"),
+        (DLRMConfig, {"interaction": "cross"}, "interaction"),
+        (DLRMConfig, {"embedding_lr_scale": -1.0}, "embedding_lr_scale"),
+        (SyntheticClicksConfig, {"cardinalities": []}, "cardinalities"),
+        (SyntheticClicksConfig, {"cardinalities": [10, 1]}, "cardinalities"),
+        (SyntheticClicksConfig, {"batch_size": True}, "batch_size"),
+        (SyntheticClicksConfig, {"num_train": 0}, "num_train"),
+        (SyntheticClicksConfig, {"ctr": 1.5}, "ctr"),
+        (SyntheticClicksConfig, {"seed": -1}, "seed"),
+        (SyntheticClicksConfig, {"cardinalities": [10, 10], "num_interactions": 2}, "num_interactions"),
+        (CriteoTSVConfig, {"train_path": "", "eval_path": "e.tsv"}, "train_path"),
+        (CriteoTSVConfig, {"train_path": "t.tsv", "eval_path": "e.tsv", "hash_buckets": 0}, "hash_buckets"),
+    ],
+)
+def test_config_rejects_bad_values_naming_the_key(schema: type, kwargs: dict[str, object], key: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        schema(**kwargs)
+    assert caught.value.key == key
+    assert str(caught.value).startswith(f"{key}=")
+
+
+@pytest.mark.parametrize(
+    ("yaml_name", "schema", "required"),
+    [
+        ("model/dlrm.yaml", DLRMConfig, {}),
+        ("data/synthetic.yaml", SyntheticClicksConfig, {}),
+        ("data/criteo.yaml", CriteoTSVConfig, {"train_path": "t.tsv", "eval_path": "e.tsv"}),
+    ],
+)
+def test_yaml_sets_every_field_to_the_schema_default(yaml_name: str, schema: type, required: dict[str, str]) -> None:
+    values = OmegaConf.load(REPO / "conf" / yaml_name)
+    assert set(values) == {f for f in schema.__dataclass_fields__}
+    merged = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), values, required))
+    assert merged == schema(**required)
+    assert values["_target_"] == f"{schema.__module__}.{schema.__qualname__}"
+
+
+# --- synthetic log ------------------------------------------------------------------------------
+
+
+def test_synthetic_log_is_a_function_of_its_config() -> None:
+    first, again, other = (
+        generate_clicks(SMALL),
+        generate_clicks(SMALL),
+        generate_clicks(dataclasses.replace(SMALL, seed=1)),
+    )
+    for split in ("train", "eval"):
+        for a, b in zip(getattr(first, split), getattr(again, split), strict=True):
+            assert torch.equal(a, b)
+    assert first.oracle_auc == again.oracle_auc
+    assert not torch.equal(first.train.sparse, other.train.sparse)
+
+
+def test_default_synthetic_log_is_realistic_and_quick() -> None:
+    start = time.perf_counter()
+    log = generate_clicks(SyntheticClicksConfig())
+    seconds = time.perf_counter() - start
+    assert seconds < 4.0  # about 0.2 s here; generous so a busy machine does not fail it
+    assert 0.70 <= log.oracle_auc <= 0.90
+    assert 0.10 <= float(log.train.label.mean()) <= 0.30
+    assert log.train.num_rows == 200_000 and log.eval.num_rows == 50_000
+    counts = torch.bincount(log.train.sparse[:, 0], minlength=2000).sort(descending=True).values
+    assert counts[:20].sum() > counts[200:].sum()  # a few values are common, most are rare
+
+
+# --- batch schedule -----------------------------------------------------------------------------
+
+
+def _numbered(rows: int, num_eval: int = 10) -> tuple[FeatureSpec, RecBatch, RecBatch]:
+    """Splits whose dense feature 0 is the row number, so a batch shows which rows it holds."""
+    features = FeatureSpec(1, (5,))
+
+    def split(n: int) -> RecBatch:
+        return RecBatch(
+            torch.arange(n, dtype=torch.float32).unsqueeze(1),
+            torch.arange(n).remainder(5).unsqueeze(1),
+            torch.zeros(n),
+        )
+
+    return features, split(rows), split(num_eval)
+
+
+def _data(rank: int, world_size: int, batch_size: int, micro_batches: int = 1, seed: int = 0) -> RecData:
+    features, train, eval = _numbered(100)
+    return RecData(
+        features,
+        train,
+        eval,
+        batch_size=batch_size,
+        rank=rank,
+        world_size=world_size,
+        micro_batches=micro_batches,
+        seed=seed,
+        oracle_auc=None,
+    )
+
+
+def _rows(batch: RecBatch) -> list[int]:
+    return [int(v) for v in batch.dense[:, 0]]
+
+
+def test_ranks_read_disjoint_rows_that_cover_an_epoch() -> None:
+    world, micro_batches, batch_size = 3, 2, 7  # 100 rows: 4 global micro-batches of 21, tail of 16 dropped
+    ranks = [_data(r, world, batch_size, micro_batches) for r in range(world)]
+    assert ranks[0].samples_per_epoch == 84
+    epoch_rows: list[list[int]] = [[], []]
+    for step, micro in itertools.product(range(4), range(micro_batches)):  # steps 0-1: epoch 0, 2-3: epoch 1
+        for data in ranks:
+            epoch_rows[data.epoch_of(step)] += _rows(data.train_batch(step, micro))
+    for rows in epoch_rows:
+        assert len(rows) == len(set(rows)) == 84
+    assert epoch_rows[0] != epoch_rows[1]  # a new permutation each epoch
+
+
+def test_train_batch_is_a_pure_function_of_its_arguments() -> None:
+    data = _data(1, 2, 8, micro_batches=2)
+    expected = _rows(data.train_batch(3, 1))
+    data.train_batch(40, 0)  # another epoch's permutation now sits in the cache
+    assert _rows(data.train_batch(3, 1)) == expected
+    assert _rows(_data(1, 2, 8, micro_batches=2).train_batch(3, 1)) == expected  # as after a restart
+    assert _rows(_data(1, 2, 8, micro_batches=2, seed=1).train_batch(3, 1)) != expected
+
+
+def test_global_batch_does_not_depend_on_how_it_is_split_over_ranks() -> None:
+    whole = _rows(_data(0, 1, 16).train_batch(9, 0))
+    halves = _rows(_data(0, 2, 8).train_batch(9, 0)) + _rows(_data(1, 2, 8).train_batch(9, 0))
+    assert halves == whole
+
+
+def test_batch_larger_than_a_rank_share_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="batch_size=60"):
+        _data(0, 2, 60)
+
+
+def test_eval_batches_cover_the_whole_eval_split_in_order() -> None:
+    data = _data(1, 2, 8)
+    batches = list(data.eval_batches(batch_size=4))
+    assert [b.num_rows for b in batches] == [4, 4, 2]
+    assert [r for b in batches for r in _rows(b)] == list(range(10))
+
+
+def test_synthetic_config_builds_rank_data() -> None:
+    data = SMALL.build(rank=1, world_size=2, micro_batches=1)
+    batch = data.train_batch(0, 0)
+    assert batch.dense.shape == (32, 3) and batch.dense.dtype == torch.float32
+    assert batch.sparse.shape == (32, 3) and batch.sparse.dtype == torch.int64
+    assert batch.label.shape == (32,) and batch.label.dtype == torch.float32
+    assert data.features == FeatureSpec(3, (50, 20, 10))
+    assert data.oracle_auc is not None and 0.5 < data.oracle_auc < 1.0
+
+
+# --- Criteo reader ------------------------------------------------------------------------------
+
+
+def _criteo_line(label: str, ints: list[str], cats: list[str]) -> str:
+    return "\t".join([label, *ints, *cats]) + "\n"
+
+
+def test_criteo_reader_transforms_and_hashes(tmp_path: Path) -> None:
+    ints = ["5", "", "-2", *["0"] * 10]
+    cats = ["68fd1e64", "", *["a" * 8] * 24]
+    path = tmp_path / "day.tsv"
+    path.write_text(_criteo_line("1", ints, cats) + _criteo_line("0", [""] * 13, [""] * 26))
+    batch = read_criteo_tsv(path, hash_buckets=1000)
+    assert batch.label.tolist() == [1.0, 0.0]
+    assert batch.dense.shape == (2, 13) and batch.sparse.shape == (2, 26)
+    assert batch.dense[0, :3].tolist() == pytest.approx([math.log1p(5), 0.0, 0.0])
+    assert batch.dense[1].abs().sum() == 0
+    assert batch.sparse[0, 0] == 1 + zlib.crc32(b"68fd1e64") % 1000  # stable across runs, unlike hash()
+    assert batch.sparse[0, 1] == 0  # missing
+    assert (batch.sparse[1] == 0).all()
+
+
+@pytest.mark.parametrize(
+    ("bad_line", "message"),
+    [
+        ("1\t2\t3\n", "expected 40 tab-separated fields"),
+        (_criteo_line("1", ["7", "x1", *["0"] * 11], [""] * 26), "integer feature I2 is 'x1'"),
+        (_criteo_line("yes", ["0"] * 13, [""] * 26), "label 'yes' is not 0 or 1"),
+    ],
+)
+def test_criteo_reader_names_file_and_line_of_a_bad_line(tmp_path: Path, bad_line: str, message: str) -> None:
+    good = _criteo_line("0", ["1"] * 13, ["ab"] * 26)
+    path = tmp_path / "bad.tsv"
+    path.write_text(good + good + bad_line + good)
+    with pytest.raises(CriteoFormatError, match=f"bad.tsv:3: {message}"):
+        read_criteo_tsv(path, hash_buckets=10)
+
+
+def test_criteo_config_builds_rank_data(tmp_path: Path) -> None:
+    lines = [_criteo_line(str(i % 2), [str(i)] * 13, [f"{i:08x}"] * 26) for i in range(20)]
+    (tmp_path / "train.tsv").write_text("".join(lines))
+    (tmp_path / "eval.tsv").write_text("".join(lines[:5]))
+    cfg = CriteoTSVConfig(
+        train_path=str(tmp_path / "train.tsv"), eval_path=str(tmp_path / "eval.tsv"), hash_buckets=16, batch_size=4
+    )
+    data = cfg.build(rank=0, world_size=2, micro_batches=1)
+    assert data.oracle_auc is None
+    assert data.features == FeatureSpec(13, (17,) * 26)
+    assert data.samples_per_epoch == 16 and data.num_eval == 5
+    assert data.train_batch(0, 0).sparse.shape == (4, 26)
+
+
+# --- metrics ------------------------------------------------------------------------------------
+
+
+def _pairwise_auc(scores: list[float], labels: list[float]) -> float:
+    """AUC by definition: over all (positive, negative) pairs, 1 if ordered right, 1/2 if tied."""
+    pos = [s for s, y in zip(scores, labels, strict=True) if y == 1]
+    neg = [s for s, y in zip(scores, labels, strict=True) if y == 0]
+    wins = sum(1.0 if p > n else 0.5 if p == n else 0.0 for p in pos for n in neg)
+    return wins / (len(pos) * len(neg))
+
+
+@pytest.mark.parametrize("trial", range(20))
+def test_auc_matches_the_pairwise_definition_with_ties(trial: int) -> None:
+    generator = torch.Generator().manual_seed(trial)
+    n = 5 + trial * 3
+    scores = torch.randint(0, 6, (n,), generator=generator).float()  # few distinct values: many ties
+    labels = torch.randint(0, 2, (n,), generator=generator).float()
+    labels[:2] = torch.tensor([0.0, 1.0])
+    assert auc(scores, labels) == pytest.approx(_pairwise_auc(scores.tolist(), labels.tolist()), abs=1e-12)
+
+
+def test_auc_edge_cases() -> None:
+    labels = torch.tensor([0.0, 0.0, 1.0, 1.0])
+    assert auc(torch.tensor([0.1, 0.2, 0.3, 0.4]), labels) == 1.0
+    assert auc(torch.tensor([0.4, 0.3, 0.2, 0.1]), labels) == 0.0
+    assert auc(torch.zeros(4), labels) == 0.5
+    with pytest.raises(ValueError, match="both classes"):
+        auc(torch.rand(3), torch.ones(3))
+
+
+def test_logloss_is_mean_binary_cross_entropy() -> None:
+    logits = torch.tensor([0.0, 2.0, -1.0])
+    labels = torch.tensor([1.0, 0.0, 0.0])
+    probs = torch.sigmoid(logits).tolist()
+    expected = -(math.log(probs[0]) + math.log(1 - probs[1]) + math.log(1 - probs[2])) / 3
+    assert logloss(logits, labels) == pytest.approx(expected)
