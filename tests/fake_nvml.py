@@ -33,10 +33,10 @@ def install(monkeypatch: pytest.MonkeyPatch, gpus: list[FakeGpu]) -> types.Modul
     class NVMLError(Exception):
         pass
 
-    class NVMLError_NotSupported(NVMLError):  # noqa: N801 (pynvml's own spelling)
+    class NVMLError_NotSupported(NVMLError):  # pynvml's own spelling
         pass
 
-    class NVMLError_Timeout(NVMLError):  # noqa: N801
+    class NVMLError_Timeout(NVMLError):
         pass
 
     def not_supported(*_: Any) -> Any:

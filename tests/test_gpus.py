@@ -74,5 +74,5 @@ def test_pick_gpus_refuses_when_too_few_fit(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_min_free_gpu_mem_is_validated() -> None:
-    with pytest.raises(ConfigError, match="resources.min_free_gpu_mem_gb"):
+    with pytest.raises(ConfigError, match=r"resources\.min_free_gpu_mem_gb"):
         compose_job("+experiment=rec", "resources.min_free_gpu_mem_gb=-1")

@@ -64,7 +64,7 @@ def test_straggler_is_named_in_metrics_and_logs(slow_run: SlowRun) -> None:
     assert len(train) == 4
     # DDP equalises step time (rank 0 waits in the all-reduce); the local time shows who is slow
     assert all(r["slowest_rank"] == 1 and r["imbalance"] > 1.25 for r in train[1:])
-    assert all(r["local_time_s"][1] >= 0.08 > r["local_time_s"][0] for r in train)
+    assert all(r["local_time_s"][1] >= 0.08 > r["local_time_s"][0] for r in train[1:])
     rank0_log = next((slow_run.run_dir / "submitit").glob("*_0_log.err")).read_text()
     warnings = [line for line in rank0_log.splitlines() if "straggler at step" in line]
     assert len(warnings) >= 3
