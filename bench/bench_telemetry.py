@@ -22,8 +22,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from bench_trainer import WORLD, job_config
+from bench_trainer import WORLD, job_config, spawn_rate
 
 from gpujobs.config import JobConfig
 from gpujobs.run.checkpoint import CheckpointManager
@@ -58,9 +57,7 @@ def _rank(rank: int, on: bool, job: JobConfig, port: int, out: Any) -> None:
 
 
 def run(on: bool, job: JobConfig, port: int) -> float:
-    queue = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(_rank, args=(on, job, port, queue), nprocs=WORLD, join=True)
-    return float(queue.get())
+    return spawn_rate(_rank, on, job, port)
 
 
 def main() -> None:

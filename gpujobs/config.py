@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException
 
 from gpujobs.errors import ConfigError
 from gpujobs.nccl import NcclSettings
@@ -76,9 +76,17 @@ class ClusterConfig:
     wait: Optional[bool] = None
     """Follow the job to its end and exit with its status (default: true locally, false on Slurm)."""
     max_restarts: int = 0
-    """Local runs: restarts from the last checkpoint after a crash or USR2."""
+    """Failure budget: attempts that failed by themselves (exit code != 0, no signal) that may be retried."""
+    max_preemptions: int = 20
+    """Preemption budget: times the job may be preempted (USR2 well before its time limit) and requeued."""
+    max_timeouts: int = 5
+    """Time-limit budget: times the job may hit its time limit (USR2 near it) and be requeued."""
     folder: str = "submitit"
     """Sub-directory of the run dir for submitit's pickles and per-rank logs."""
+    dry_run: bool = False
+    """Slurm: print the exact sbatch script that would be queued, and write and queue nothing."""
+    array_parallelism: Optional[int] = None
+    """Slurm sweeps (`-m`): at most this many points of the job array run at once (null: no limit)."""
 
     def __post_init__(self) -> None:
         if self.name not in CLUSTERS:
@@ -93,8 +101,11 @@ class ClusterConfig:
             raise ConfigError("time", self.time, err.allowed) from None
         if self.signal_lead_s < 0:
             raise ConfigError("signal_lead_s", self.signal_lead_s, "an integer >= 0")
-        if self.max_restarts < 0:
-            raise ConfigError("max_restarts", self.max_restarts, "an integer >= 0")
+        for key in ("max_restarts", "max_preemptions", "max_timeouts"):
+            if getattr(self, key) < 0:
+                raise ConfigError(key, getattr(self, key), "an integer >= 0")
+        if self.array_parallelism is not None and self.array_parallelism < 1:
+            raise ConfigError("array_parallelism", self.array_parallelism, "an integer >= 1, or null")
 
     @property
     def timeout_min(self) -> int:
@@ -214,11 +225,13 @@ class TrainerConfig:
     """Deterministic kernels, so a seed gives bit-identical parameters."""
     pg_timeout_s: int = 120
     """Process-group timeout: a dead rank makes the others fail after this many seconds."""
+    stop_check_every: int = 10
+    """Steps between the ranks' agreement on a pending USR2 (a tiny all-reduce); the stop itself loses no step."""
     progress: bool = True
     """Show a progress bar when the output is a terminal."""
 
     def __post_init__(self) -> None:
-        for key in ("max_steps", "grad_accum"):
+        for key in ("max_steps", "grad_accum", "stop_check_every"):
             if getattr(self, key) < 1:
                 raise ConfigError(key, getattr(self, key), "an integer >= 1")
         for key in ("eval_every", "log_every"):
@@ -360,6 +373,8 @@ def _section(key: str, schema: type[Any], values: Any) -> Any:
     try:
         merged = OmegaConf.merge(OmegaConf.structured(schema), values)
         return OmegaConf.to_object(merged)
+    except MissingMandatoryValue as err:
+        raise ConfigError(f"{key}.{err.full_key}", "???", "a value: this key is required, set it") from None
     except ConfigKeyError as err:
         bad = str(err.full_key).split(".")[0].split("[")[0]
         names = ", ".join(f.name for f in dataclasses.fields(schema))

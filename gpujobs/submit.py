@@ -30,18 +30,26 @@ def _submit(cfg: DictConfig) -> int:
     from gpujobs.config import load_config
     from gpujobs.launch import launch
     from gpujobs.launch.rundir import discard_if_empty
+    from gpujobs.launch.sweep import active_plan
 
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    hydra_cfg = HydraConfig.get()
+    run_dir = Path(hydra_cfg.runtime.output_dir)
+    plan = active_plan()
+    # In a sweep the error names the point; it is still one line.
+    where = f" (sweep point #{hydra_cfg.job.num}: {' '.join(hydra_cfg.overrides.task)})" if plan else ""
     try:
         job = load_config(cfg)
+        if plan is not None:  # a gpujobs sweep: validate and plan this point; the launcher starts them all
+            plan.add(job, run_dir, hydra_cfg.job.num, list(hydra_cfg.overrides.task))
+            return 0
         code = launch(job, run_dir)
     except ConfigError as err:
         discard_if_empty(run_dir)
-        print(f"gpujobs: config error: {err}", file=sys.stderr)
+        print(f"gpujobs: config error: {err}{where}", file=sys.stderr)
         raise SystemExit(EXIT_REFUSED) from None
     except GpujobsError as err:
         discard_if_empty(run_dir)
-        print(f"gpujobs: {err}", file=sys.stderr)
+        print(f"gpujobs: {err}{where}", file=sys.stderr)
         raise SystemExit(EXIT_REFUSED) from None
     if code:
         raise SystemExit(code)

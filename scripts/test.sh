@@ -8,7 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-echo "== ruff"; ruff check gpujobs jobs tests bench scripts
+echo "== ruff"; ruff check gpujobs jobs hydra_plugins tests bench scripts
 echo "== mypy"; mypy
 
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then

@@ -7,9 +7,11 @@ checkpoint after a failure, up to `cluster.max_restarts` times.
 
 from __future__ import annotations
 
+import itertools
 import socket
 from pathlib import Path
 
+from gpujobs.attempts import AttemptLog, Decision, RequeuePolicy
 from gpujobs.config import JobConfig
 from gpujobs.errors import ConfigError
 from gpujobs.launch.follow import JobFollower
@@ -56,19 +58,41 @@ def run_local(job: JobConfig, run_dir: Path) -> int:
         signal_delay_s=job.cluster.signal_lead_s,
     )
     backend = "nccl" if res.gpus_per_node else "gloo"
+    attempts = AttemptLog(run_dir)
     with JobFollower(run_dir, job) as follower:
-        for attempt in range(job.cluster.max_restarts + 1):
+        for number in itertools.count(1):
+            before = len(attempts.read())
             sjob = executor.submit(make_payload(job, run_dir, master_port=free_port()))
+            # submitit waits up to 15 s per rank for a result file that a slow shared filesystem may
+            # not show yet; here the disk is local, and a rank that stopped to be requeued leaves none.
+            for task in sjob._sub_jobs or [sjob]:
+                task._results_timeout_s = 0
             print(
-                f"gpujobs: local job {sjob.job_id} (attempt {attempt + 1}): {res.ranks_per_node} ranks, "
+                f"gpujobs: local job {sjob.job_id} (attempt {number}): {res.ranks_per_node} ranks, "
                 f"{backend}{f' on GPUs {gpus}' if gpus else ''}, run dir {run_dir}",
                 flush=True,
             )
             error = follower.follow(sjob)
             if error is None:
                 return 0
-            if attempt < job.cluster.max_restarts:
-                print(f"gpujobs: attempt {attempt + 1} failed ({error}); restarting from the last checkpoint")
-            else:
-                print(f"gpujobs: job failed: {error}\ngpujobs: per-rank logs in {executor.folder}")
-        return 1
+            reason, decision = _judge_attempt(job, attempts, before, error)
+            if not decision.requeue:
+                print(f"gpujobs: job ended: {reason}, {decision.why}; last error: {error}")
+                print(f"gpujobs: per-rank logs in {executor.folder}")
+                return 1
+            print(f"gpujobs: attempt {number} {reason} ({decision.why}); restarting from the last checkpoint")
+    raise AssertionError("unreachable")
+
+
+def _judge_attempt(job: JobConfig, attempts: AttemptLog, before: int, error: str) -> tuple[str, Decision]:
+    """Rank 0 records each attempt it survives; if it died first, the launcher records the failure."""
+    history = attempts.read()
+    if len(history) > before:
+        last = history[-1]
+        return last["reason"], Decision(bool(last.get("requeue")), str(last.get("why")))
+    decision = RequeuePolicy.of(job.cluster).decide(history, "failed")
+    attempts.append({
+        "attempt": len(history) + 1, "reason": "failed", "error": error, "recorded_by": "launcher",
+        "requeue": decision.requeue, "why": decision.why,
+    })
+    return "failed", decision

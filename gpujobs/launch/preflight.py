@@ -147,8 +147,26 @@ def check(job: JobConfig, info: ClusterInfo) -> None:
         raise ConfigError("cluster.qos", cluster.qos, f"one of {', '.join(sorted(info.qos)) or 'none'}")
 
 
-def preflight_slurm(job: JobConfig) -> None:
-    """Query the cluster and check the job against it."""
+def preflight_slurm(job: JobConfig, cache: Optional[dict[tuple[bool, bool], ClusterInfo]] = None) -> None:
+    """Query the cluster and check the job against it.
+
+    A sweep passes one `cache` for all its points, so a 100-point sweep asks Slurm once, not 100 times.
+    """
     if shutil.which("sbatch") is None:
         raise SubmitError("cluster=slurm but `sbatch` is not on PATH (use cluster=local on this machine)")
-    check(job, query_cluster(job))
+    key = (job.cluster.account is not None, job.cluster.qos is not None)  # what query_cluster asks depends on these
+    info = cache.get(key) if cache is not None else None
+    if info is None:
+        info = query_cluster(job)
+        if cache is not None:
+            cache[key] = info
+    check(job, info)
+
+
+def max_array_size() -> int:
+    """The cluster's MaxArraySize: array indices must stay below it (Slurm's default is 1001)."""
+    for line in _run(["scontrol", "show", "config"]).splitlines():
+        key, _, value = line.partition("=")
+        if key.strip() == "MaxArraySize" and value.strip().isdigit():
+            return int(value.strip())
+    return 1001

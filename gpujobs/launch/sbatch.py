@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import os
 import shlex
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -75,6 +76,19 @@ def sbatch_request(job: JobConfig, folder: Path, command: str, *, array: Optiona
         command=command,
         signal_lead_s=cluster.signal_lead_s,
     )
+
+
+def job_command(folder: Path, *, run_dir: Optional[Path] = None, points: Optional[Path] = None) -> str:
+    """What every task runs: the job-side entry, told where its run dir (or array's list of them) is.
+
+    The script names the run dir, never a pickle named by job id, so the kept `submit.sbatch` can be
+    queued again by hand (`gpujobs.run.start` builds the payload from the run dir's config.yaml).
+    """
+    if (run_dir is None) == (points is None):
+        raise ValueError("job_command needs exactly one of run_dir and points")
+    target = ["--points", str(points)] if points is not None else [str(run_dir)]
+    args = [sys.executable, "-u", "-m", "gpujobs.run.start", "--folder", str(folder), *target]
+    return " ".join(shlex.quote(arg) for arg in args)
 
 
 @functools.lru_cache(maxsize=1)

@@ -2,19 +2,25 @@
 
 One task per rank (one per GPU, or a CPU rank with gloo where `gpus_per_node` is 0). Submission
 returns as soon as the job is queued; `cluster.wait=true` follows it to its end.
+
+Nothing is pickled here: the script runs `gpujobs.run.start`, which builds each task's payload from
+its run dir's config.yaml. A single job and a job array (a sweep) go through the same executor, so
+there is one renderer: submitit's own array path (`map_array`, `batch()`) would copy a plain
+`SlurmExecutor` and bypass it, which is why `_internal_process_submissions` refuses.
 """
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import submitit
 
+from gpujobs.atomic import write_text_atomic
 from gpujobs.config import JobConfig
 from gpujobs.errors import SubmitError
-from gpujobs.launch.sbatch import render_sbatch, sbatch_request
+from gpujobs.launch.rundir import record_submission
+from gpujobs.launch.sbatch import job_command, render_sbatch, sbatch_request
 
 SBATCH_FILE = "submit.sbatch"
 
@@ -22,9 +28,11 @@ SBATCH_FILE = "submit.sbatch"
 class GpujobsSlurmExecutor(submitit.SlurmExecutor):
     """submitit's executor whose submission file is `render_sbatch`'s text, not a second renderer."""
 
-    def __init__(self, folder: Path, job: JobConfig) -> None:
+    def __init__(self, folder: Path, job: JobConfig, command: str, *, array: Optional[str] = None) -> None:
         super().__init__(folder)
         self.job = job
+        self.command = command
+        self.array = array
         # submitit itself reads these: task count (results per rank) and time limit (timeouts)
         self.update_parameters(
             nodes=job.resources.nodes,
@@ -32,24 +40,52 @@ class GpujobsSlurmExecutor(submitit.SlurmExecutor):
             time=job.cluster.timeout_min,
         )
 
+    def script(self) -> str:
+        """The exact text `sbatch` gets (also what a dry run prints)."""
+        return render_sbatch(sbatch_request(self.job, self.folder, self.command, array=self.array))
+
     def _make_submission_file_text(self, command: str, uid: str) -> str:
-        return render_sbatch(sbatch_request(self.job, self.folder, command))
+        return self.script()
+
+    def _internal_process_submissions(self, delayed_submissions: list[Any]) -> list[Any]:
+        raise NotImplementedError("gpujobs builds payloads job-side from the run dir: use submit_script()")
+
+    def submit_script(self, array_size: int = 1) -> list[submitit.SlurmJob[Any]]:
+        """One `sbatch` of the script; with an array, one submitit job per array index (`A_i`)."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        try:
+            first = self._submit_command(self.command)
+        except submitit.core.utils.FailedJobError as err:  # sbatch itself refused
+            raise SubmitError(f"sbatch refused the job: {str(err).strip().splitlines()[-1]}") from None
+        if self.array is None:
+            return [first]  # type: ignore[list-item]
+        tasks = list(range(self._num_tasks()))
+        return [submitit.SlurmJob(self.folder, f"{first.job_id}_{i}", tasks=tasks) for i in range(array_size)]
 
 
-def submit_slurm(job: JobConfig, run_dir: Path, payload: Any) -> Any:
-    """Queue `payload` as the job; keep the exact script as `submit.sbatch`; return submitit's job."""
-    executor = GpujobsSlurmExecutor(run_dir / job.cluster.folder, job)
-    try:
-        sjob = executor.submit(payload)
-    except submitit.core.utils.FailedJobError as err:  # sbatch itself refused
-        raise SubmitError(f"sbatch refused the job: {str(err).strip().splitlines()[-1]}") from None
-    shutil.copyfile(sjob.paths.submission_file, run_dir / SBATCH_FILE)
+def single_executor(job: JobConfig, run_dir: Path) -> GpujobsSlurmExecutor:
+    """The executor of `run_dir` as one job (what `submit.sbatch` of every Slurm run dir holds)."""
+    folder = run_dir / job.cluster.folder
+    return GpujobsSlurmExecutor(folder, job, job_command(folder, run_dir=run_dir))
+
+
+def keep_script(run_dir: Path, job: JobConfig) -> None:
+    """Write `submit.sbatch`: the script that runs this run dir alone, queued again by hand with sbatch."""
+    write_text_atomic(run_dir / SBATCH_FILE, single_executor(job, run_dir).script())
+
+
+def submit_slurm(job: JobConfig, run_dir: Path) -> Any:
+    """Queue the run dir's job; keep the exact script as `submit.sbatch`; return submitit's job."""
+    executor = single_executor(job, run_dir)
+    sjob = executor.submit_script()[0]
+    write_text_atomic(run_dir / SBATCH_FILE, sjob.paths.submission_file.read_text())
+    record_submission(run_dir, sjob.job_id, executor.folder)
     return sjob
 
 
-def run_slurm(job: JobConfig, run_dir: Path, payload: Any) -> int:
+def run_slurm(job: JobConfig, run_dir: Path) -> int:
     """Submit; with `cluster.wait`, follow to the end and return 0 only if the job completed."""
-    sjob = submit_slurm(job, run_dir, payload)
+    sjob = submit_slurm(job, run_dir)
     print(f"gpujobs: submitted Slurm job {sjob.job_id}; run dir {run_dir}", flush=True)
     if not job.cluster.should_wait:
         return 0

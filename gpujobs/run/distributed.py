@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import datetime
+import gc
 import os
+import time
 from typing import Any, Optional
 
 import torch
@@ -40,8 +42,15 @@ def init_process_group(info: DistInfo, nccl: NcclSettings, timeout_s: int) -> Op
 
 
 def destroy_process_group() -> None:
-    """Leave the group if we joined one."""
+    """Leave the group if we joined one. Call after dropping every DDP wrapper (see below)."""
     if dist.is_available() and dist.is_initialized():
+        # Gloo's worker threads free finished work (and its tensors) after the caller has moved on,
+        # and need the GIL to do so. If the group's destructor runs while one of them still holds such
+        # work, the destructor waits for the worker's lock holding the GIL the worker waits for: a
+        # deadlock seen at the end of resumed runs. Collect, then block briefly without the GIL so the
+        # workers go idle before the last reference goes.
+        gc.collect()
+        time.sleep(0.1)
         dist.destroy_process_group()
 
 

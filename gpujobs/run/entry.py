@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -47,9 +48,12 @@ class TrainJob:
         from gpujobs.run import distributed, jobenv
         from gpujobs.run.checkpoint import CheckpointManager
         from gpujobs.run.metrics import MetricsLog
+        from gpujobs.run.preemption import EXIT_REQUEUED, PreemptionWatcher, classify_stop, record_attempt
         from gpujobs.run.telemetry import Telemetry
         from gpujobs.run.trainer import Trainer, seed_everything
 
+        watcher = PreemptionWatcher().install()  # first: a USR2 from now on is ours to handle
+        started = time.time()
         logging.basicConfig(level=logging.INFO, format="[%(asctime)s][rank %(rank)s] %(message)s")
         info = jobenv.detect(self.master_port)
         _tag_log_records(info.rank)
@@ -68,6 +72,8 @@ class TrainJob:
         metrics = MetricsLog(run_dir / METRICS_FILE if info.is_main else None)
         view = ProgressView(job.trainer.max_steps, job.name, enabled=self.show_progress and info.is_main)
         telemetry = Telemetry.start(job, info, ranks, device.type == "cuda", run_dir)
+        trainer: Optional[Trainer] = None
+        task: Any = None
         try:
             seed_everything(job.trainer.seed)
             build = load_task_builder(job.task)
@@ -76,14 +82,42 @@ class TrainJob:
                 run_dir / CHECKPOINT_DIR, job.checkpoint.every_steps, job.checkpoint.keep, info.rank
             )
             trainer = Trainer(
-                job, info, device, task, checkpoints, metrics, on_step=lambda _, r: view.update(r), telemetry=telemetry
+                job, info, device, task, checkpoints, metrics,
+                on_step=lambda _, r: view.update(r), telemetry=telemetry, preemption=watcher,
             )
             result = trainer.fit()
             result["ranks"] = ranks
+            attempt = {
+                "start": round(started, 3), "start_step": result["start_step"], "steps_done": result["steps"],
+                "resumed_from": result["resumed_from"], "saved": result["saved"],
+            }
+            if result["status"] == "preempted":
+                reason = classify_stop(job, started, watcher.flagged_at)
+                if info.is_main:
+                    record_attempt(self.run_dir, job, {"reason": reason, **attempt})
+                log.warning("stopped at step %d (%s): checkpoint saved, exiting", result["steps"], reason)
+                raise SystemExit(EXIT_REQUEUED)  # like submitit: no result pickle, the job is not over
             if info.is_main:
+                record_attempt(self.run_dir, job, {"reason": "completed", **attempt})
                 write_json_atomic(run_dir / RESULT_FILE, result)
             return result
+        except Exception as err:
+            if info.is_main:
+                message = str(err).strip().splitlines()
+                failed = {
+                    "reason": "failed", "start": round(started, 3),
+                    "steps_done": trainer.step if trainer is not None else None,
+                    "resumed_from": trainer.resumed_from if trainer is not None else None,
+                    "error": f"{type(err).__name__}: {message[0] if message else ''}",
+                }
+                try:
+                    record_attempt(self.run_dir, job, failed)
+                except Exception as record_err:  # never hide the real failure behind this one
+                    log.error("could not record the failed attempt: %s", record_err)
+            raise
         finally:
+            trainer = task = None  # drop the DDP wrapper while the process group is still alive
+            watcher.uninstall()
             telemetry.close()
             view.close()
             metrics.close()

@@ -20,6 +20,7 @@ from gpujobs.run.checkpoint import CheckpointManager
 from gpujobs.run.jobenv import DistInfo
 from gpujobs.run.metrics import MetricsLog, param_digest
 from gpujobs.run.optim import build_optimizer, build_scheduler
+from gpujobs.run.preemption import PreemptionWatcher
 from gpujobs.run.task import Task
 from gpujobs.run.telemetry import Telemetry
 
@@ -68,7 +69,7 @@ class StepTimes:
     data_s: float = 0.0
     local_s: float = 0.0
     """Data wait + forward: the part of the step before the gradient all-reduce makes ranks wait."""
-    loss_sum: float = 0.0
+    loss_sum: float | torch.Tensor = 0.0
 
     def reset(self) -> None:
         """Start a new window."""
@@ -88,6 +89,7 @@ class Trainer:
         metrics: MetricsLog,
         on_step: Optional[Callable[[int, dict[str, Any]], None]] = None,
         telemetry: Optional[Telemetry] = None,
+        preemption: Optional[PreemptionWatcher] = None,
     ) -> None:
         self.job = job
         self.info = info
@@ -97,6 +99,7 @@ class Trainer:
         self.metrics = metrics
         self.on_step = on_step or (lambda step, record: None)
         self.telemetry = telemetry or Telemetry()
+        self.preemption = preemption or PreemptionWatcher()
         cfg = job.trainer
         self.model = task.model.to(device)
         self.ddp: torch.nn.Module = self.model
@@ -161,7 +164,6 @@ class Trainer:
         """One optimizer step over `grad_accum` micro-batches."""
         accum = self.job.trainer.grad_accum
         start = time.perf_counter()
-        loss_total = torch.zeros((), device=self.device)
         for micro, sync in self._micro_steps():
             fetch = time.perf_counter()
             if micro == 0:
@@ -170,17 +172,19 @@ class Trainer:
             times.data_s += time.perf_counter() - fetch
             with sync:
                 with self.autocast():
-                    loss = self.task.loss(self.ddp, batch) / accum
+                    loss = self.task.loss(self.ddp, batch)
+                    if accum > 1:
+                        loss = loss / accum
                 times.local_s += time.perf_counter() - fetch
                 loss.backward()
-            loss_total += loss.detach()
+            # summed on the device, read once per log line: no host sync on every step
+            times.loss_sum = times.loss_sum + loss.detach()
         if self.job.trainer.grad_clip is not None:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.job.trainer.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        times.loss_sum += float(loss_total)
         times.steps += 1
         times.step_s += time.perf_counter() - start
 
@@ -194,6 +198,7 @@ class Trainer:
         train_s, trained_samples = 0.0, 0
         samples_per_step = self.task.samples_per_micro_batch * cfg.grad_accum * self.info.world_size
         evals: dict[str, float] = {}
+        start_step, stopped = self.step, False
         self.ddp.train()
         while self.step < cfg.max_steps:
             self.train_step(times)
@@ -209,13 +214,20 @@ class Trainer:
                 self.save()
             if times.steps == 0:
                 window_start = time.perf_counter()
+            # All ranks check at the same steps and agree, so all stop after this same step.
+            if self.step % cfg.stop_check_every == 0 and self.preemption.should_stop():
+                stopped = True
+                break
         if times.steps:
             train_s += time.perf_counter() - window_start
-        evals = self._evaluate()
+        if not stopped:
+            evals = self._evaluate()
         if self.saved_step != self.step:
             self.save()
         return {
-            "status": "completed",
+            "status": "preempted" if stopped else "completed",
+            "start_step": start_step,
+            "saved": str(self.checkpoints.path_for(self.step)) if self.saved_step == self.step else None,
             "steps": self.step,
             "world_size": self.info.world_size,
             **evals,
@@ -232,7 +244,7 @@ class Trainer:
 
     def _log_window(self, times: StepTimes, elapsed: float, samples_per_step: int) -> None:
         """Gather every rank's timing (one small all-gather per log line) and write the record."""
-        mine = torch.tensor([times.step_s, times.data_s, times.loss_sum, times.local_s]) / times.steps
+        mine = torch.tensor([times.step_s, times.data_s, float(times.loss_sum), times.local_s]) / times.steps
         if dist.is_initialized():
             gathered = [torch.zeros_like(mine) for _ in range(self.info.world_size)]
             dist.all_gather(gathered, mine)

@@ -71,7 +71,9 @@ class DLRM(nn.Module):
         stacked = torch.cat([x.unsqueeze(1), embedded * self.embedding_lr_scale], dim=1)  # [B, F, d]
         if self.interaction == "dot":
             gram = torch.bmm(stacked, stacked.transpose(1, 2))  # [B, F, F]
-            rows, cols = self._pairs.to(gram.device)
+            if self._pairs.device != gram.device:  # moved once, not copied on every step
+                self._pairs = self._pairs.to(gram.device)
+            rows, cols = self._pairs
             features = torch.cat([x, gram[:, rows, cols]], dim=1)
         else:
             features = stacked.flatten(1)

@@ -1,0 +1,109 @@
+"""`python -m gpujobs status|logs|cancel|resubmit DIR`: watch and manage submitted runs and sweeps.
+
+DIR is a run dir or a sweep dir (`-m`). Exit codes: 0 done, 1 nothing matched or a command failed,
+2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+from gpujobs.errors import GpujobsError
+from gpujobs.launch import manage
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m gpujobs", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    status = commands.add_parser("status", help="a table of the points: job id, state, attempts, step, metric")
+    status.add_argument("--watch", type=float, metavar="S", help="redraw every S seconds until all are final")
+    logs = commands.add_parser("logs", help="a rank's log of a point")
+    logs.add_argument("--point", type=int, default=0)
+    logs.add_argument("--rank", type=int, default=0)
+    logs.add_argument("--err", action="store_true", help="stderr instead of stdout")
+    logs.add_argument("--follow", "-f", action="store_true", help="keep printing until the job ends")
+    cancel = commands.add_parser("cancel", help="scancel every point, or one")
+    cancel.add_argument("--point", type=int)
+    resubmit = commands.add_parser("resubmit", help="queue the failed points again, as one new array")
+    resubmit.add_argument("--failed", action="store_true", required=True, help="the failed points (required)")
+    resubmit.add_argument("--cancelled", action="store_true", help="also the cancelled points")
+    for sub in (status, logs, cancel, resubmit):
+        sub.add_argument("dir", type=Path, help="a run dir or a sweep dir")
+        sub.add_argument("--sacct-timeout", type=float, default=10.0, metavar="S")
+    return parser
+
+
+def _status(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    console = Console()
+    while True:
+        points = manage.points_of(args.dir)
+        warning = manage.refresh(points, args.sacct_timeout)
+        if warning:
+            print(f"gpujobs: {warning}", file=sys.stderr)
+        console.print(manage.status_table(points))
+        if not args.watch or all(p.state in manage.FINAL for p in points):
+            return 0
+        time.sleep(args.watch)
+
+
+def _logs(args: argparse.Namespace) -> int:
+    point = manage.select(manage.points_of(args.dir), args.point)[0]
+    if point.job_id is None or point.logs is None:
+        raise GpujobsError(f"{point.run_dir} has no Slurm job (local runs print their logs as they go)")
+    path = point.logs / f"{point.job_id}_{args.rank}_log.{'err' if args.err else 'out'}"
+    offset = 0
+    while True:
+        if path.exists():
+            with open(path) as handle:
+                handle.seek(offset)
+                chunk = handle.read()
+                offset = handle.tell()
+            sys.stdout.write(chunk)
+            sys.stdout.flush()
+        elif not args.follow:
+            raise GpujobsError(f"no log yet: {path}")
+        if not args.follow:
+            return 0
+        manage.refresh([point], args.sacct_timeout)
+        if point.state in manage.FINAL:
+            return 0
+        time.sleep(1.0)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Run one management command; returns the exit code."""
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "status":
+            return _status(args)
+        if args.command == "logs":
+            return _logs(args)
+        points = manage.select(manage.points_of(args.dir), getattr(args, "point", None))
+        if args.command == "cancel":
+            ids = manage.cancel(points)
+            print(f"gpujobs: cancelled {', '.join(ids) or 'nothing (no Slurm job)'}")
+            return 0
+        warning = manage.refresh(points, args.sacct_timeout)
+        if warning:
+            raise GpujobsError(f"{warning}; resubmit needs Slurm's view of the states, try again")
+        chosen = manage.resubmit(args.dir, points, cancelled=args.cancelled)
+        if not chosen:
+            print("gpujobs: no failed points to resubmit")
+            return 1
+        print(f"gpujobs: resubmitted points {', '.join(str(p.num) for p in chosen)}")
+        return 0
+    except GpujobsError as err:
+        print(f"gpujobs: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,87 @@
+"""Every attempt of a job, and whether another one may follow (torch-free: both sides use it).
+
+`attempts.jsonl` in the run dir holds one line per attempt: when it started and ended, why it ended
+(completed, preempted, timeout, failed), the steps it reached, the checkpoint it resumed from and the
+one it saved, and the requeue decision. Budgets are separate: being preempted twenty times is normal on
+a busy cluster; failing by itself twenty times is a bug that no requeue will fix.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from gpujobs.atomic import fsync_dir
+from gpujobs.config import ClusterConfig
+
+ATTEMPTS_FILE = "attempts.jsonl"
+REASONS = ("completed", "preempted", "timeout", "failed")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Whether the job should run again, and why (said in attempts.jsonl and the logs)."""
+
+    requeue: bool
+    why: str
+
+
+@dataclass(frozen=True)
+class RequeuePolicy:
+    """Budgets per reason: how many times each may end an attempt before the job gives up."""
+
+    max_preemptions: int
+    max_timeouts: int
+    max_failures: int
+
+    @classmethod
+    def of(cls, cluster: ClusterConfig) -> RequeuePolicy:
+        """The budgets `cluster` sets (max_preemptions, max_timeouts, max_restarts)."""
+        return cls(cluster.max_preemptions, cluster.max_timeouts, cluster.max_restarts)
+
+    def decide(self, history: list[dict[str, Any]], reason: str) -> Decision:
+        """Decide for an attempt that just ended with `reason`, given the attempts before it."""
+        if reason == "completed":
+            return Decision(False, "completed")
+        budget = {"preempted": self.max_preemptions, "timeout": self.max_timeouts, "failed": self.max_failures}[reason]
+        used = sum(1 for line in history if line.get("reason") == reason)
+        if used < budget:
+            return Decision(True, f"{reason} {used + 1} of at most {budget}")
+        return Decision(False, f"{reason} budget exhausted ({budget} {reason} attempts allowed)")
+
+
+class AttemptLog:
+    """Appends and reads `attempts.jsonl` (one writer at a time: rank 0, or the local launcher)."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = Path(run_dir) / ATTEMPTS_FILE
+
+    def read(self) -> list[dict[str, Any]]:
+        """All complete lines, oldest first (a torn last line from a crash is ignored)."""
+        if not self.path.exists():
+            return []
+        lines = []
+        for text in self.path.read_text().splitlines():
+            try:
+                lines.append(json.loads(text))
+            except json.JSONDecodeError:
+                continue
+        return lines
+
+    def append(self, record: dict[str, Any]) -> None:
+        """Add one attempt's line, durably."""
+        line = json.dumps({"end": round(time.time(), 3), **record}, sort_keys=True) + "\n"
+        with open(self.path, "a") as handle:
+            handle.write(line)
+            handle.flush()
+            os.fsync(handle.fileno())
+        fsync_dir(self.path.parent)
+
+    def last(self) -> Optional[dict[str, Any]]:
+        """The newest line, if any."""
+        lines = self.read()
+        return lines[-1] if lines else None

@@ -1,0 +1,246 @@
+"""Sweeps (`-m`): validate every point first, then queue the Slurm points as job arrays (submit side).
+
+How a sweep runs (the launcher is `hydra_plugins/gpujobs_launcher`, the default for `-m`):
+
+1. **Plan.** The launcher runs each point's task function through Hydra's `run_job`, as Hydra's basic
+   launcher does, so any Hydra app works with it (and Hydra's launcher test suites pass). Meanwhile a
+   `SweepPlan` is active. gpujobs' own task (`gpujobs.submit`) sees it and, instead of running its
+   point, validates it (`load_config` + preflight; Slurm is asked once for the whole sweep) and adds it
+   to the plan. A bad point stops the sweep there with one error line and exit code 2: nothing has been
+   written or queued yet.
+2. **Carry out.** The launcher then calls `run_plan`. Slurm points are grouped by their sbatch header
+   (resources, partition, time, NCCL environment: an array shares one), each group is one job array
+   (`--array=0-N%P`, P = `cluster.array_parallelism`), split where it would pass the cluster's
+   MaxArraySize: one `sbatch` per array, never one per point. Points of other clusters (local, debug)
+   run here one after another.
+
+Each point keeps Hydra's sweep layout (`hydra.sweep.dir/hydra.sweep.subdir`) with its config.yaml, its
+`submit.sbatch` (that point alone, for a hand resubmission) and `slurm_jobs.jsonl` (its job ids). The
+array's own script, task logs and list of run dirs live in `SWEEP_DIR/submitit/`; `sweep.json` lists
+the points for `python -m gpujobs status|logs|cancel|resubmit`. Array task `i` runs line `i` of the
+list (`gpujobs.run.start --points`), building its payload from that run dir's config.yaml.
+
+Slurm sweeps return once queued unless a point sets `cluster.wait=true`; then the launcher follows every
+point and reports each as completed or failed (exit code 1 if any failed). `cluster.dry_run=true`
+prints the array scripts and writes nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from gpujobs.atomic import write_json_atomic, write_text_atomic
+from gpujobs.config import JobConfig
+from gpujobs.launch import preflight
+from gpujobs.launch.rundir import discard_if_empty, write_config
+
+SWEEP_FILE = "sweep.json"
+ARRAY_FOLDER = "submitit"
+
+
+@dataclass
+class Point:
+    """One validated point of a sweep."""
+
+    num: int
+    overrides: list[str]
+    job: JobConfig
+    run_dir: Path
+
+
+@dataclass
+class Outcome:
+    """What became of one point: queued (job id), completed or failed."""
+
+    point: Point
+    code: int
+    job_id: Optional[str] = None
+    error: Optional[str] = None
+    handle: Any = None
+    """submitit's job of a queued point (to wait for it)."""
+
+
+@dataclass
+class SweepPlan:
+    """The points of a sweep, validated, not yet started."""
+
+    sweep_dir: Path
+    points: list[Point] = field(default_factory=list)
+    _cluster_cache: dict[Any, Any] = field(default_factory=dict)
+
+    def add(self, job: JobConfig, run_dir: Path, num: int, overrides: list[str]) -> None:
+        """Validate one point against where it will run (ConfigError/SubmitError if it cannot) and keep it."""
+        preflight(job, self._cluster_cache)
+        self.points.append(Point(num, list(overrides), job, run_dir))
+
+    def discard(self) -> None:
+        """Remove the empty run dirs Hydra made for the points (the sweep was refused)."""
+        for point in self.points:
+            discard_if_empty(point.run_dir)
+        hydra_file = self.sweep_dir / "multirun.yaml"  # Hydra's sweeper wrote it before the launcher ran
+        if self.sweep_dir.is_dir() and [entry.name for entry in self.sweep_dir.iterdir()] == [hydra_file.name]:
+            hydra_file.unlink()
+        discard_if_empty(self.sweep_dir)
+
+
+_active: Optional[SweepPlan] = None
+
+
+def active_plan() -> Optional[SweepPlan]:
+    """The plan being collected by the gpujobs launcher, or None outside a gpujobs sweep."""
+    return _active
+
+
+@contextlib.contextmanager
+def collecting(sweep_dir: Path) -> Iterator[SweepPlan]:
+    """Make a plan active while the launcher runs the points' task functions."""
+    global _active
+    if _active is not None:
+        raise RuntimeError("a gpujobs sweep is already being planned in this process")
+    _active = SweepPlan(sweep_dir)
+    try:
+        yield _active
+    finally:
+        _active = None
+
+
+def array_spec(size: int, parallelism: Optional[int]) -> str:
+    """`--array` value for indices 0..size-1, at most `parallelism` running at once."""
+    spec = f"0-{size - 1}"
+    return f"{spec}%{parallelism}" if parallelism else spec
+
+
+def chunks(points: list[Point], limit: int) -> list[list[Point]]:
+    """Split into arrays whose indices stay below the cluster's MaxArraySize (`limit`)."""
+    return [points[start:start + limit] for start in range(0, len(points), limit)]
+
+
+def header_groups(points: list[Point], folder: Path) -> list[list[Point]]:
+    """Points that can share one array: the same sbatch header (flags and environment), in sweep order."""
+    from gpujobs.launch.sbatch import sbatch_request
+
+    groups: dict[Any, list[Point]] = {}
+    for point in points:
+        request = sbatch_request(point.job, folder, "", array="-")
+        groups.setdefault((request.flags, request.env), []).append(point)
+    return list(groups.values())
+
+
+def write_sweep_file(sweep_dir: Path, points: list[Point]) -> None:
+    """`sweep.json`: every point's number, overrides and run dir, for the management commands."""
+    existing = read_sweep_file(sweep_dir)
+    known = {entry["num"]: entry for entry in existing}
+    for point in points:
+        known[point.num] = {"num": point.num, "overrides": point.overrides, "run_dir": str(point.run_dir)}
+    write_json_atomic(sweep_dir / SWEEP_FILE, {"points": [known[num] for num in sorted(known)]})
+
+
+def read_sweep_file(sweep_dir: Path) -> list[dict[str, Any]]:
+    """The points `sweep.json` lists (empty when there is none)."""
+    path = sweep_dir / SWEEP_FILE
+    return list(json.loads(path.read_text())["points"]) if path.exists() else []
+
+
+def array_executor(points: list[Point], folder: Path) -> tuple[Any, Path]:
+    """The executor of one array over `points`, and the list file its tasks read their run dir from."""
+    from gpujobs.launch.sbatch import job_command
+    from gpujobs.launch.slurm import GpujobsSlurmExecutor
+
+    job = points[0].job
+    # Named by its content: a dry run prints the name the real submission uses, and a later array
+    # (resubmit) never rewrites the list an earlier array's pending tasks still read.
+    listing = "".join(f"{p.run_dir}\n" for p in points)
+    points_file = folder / f"points-{hashlib.sha256(listing.encode()).hexdigest()[:12]}.txt"
+    command = job_command(folder, points=points_file)
+    spec = array_spec(len(points), job.cluster.array_parallelism)
+    return GpujobsSlurmExecutor(folder, job, command, array=spec), points_file
+
+
+def submit_arrays(points: list[Point], folder: Path, *, dry_run: bool = False) -> list[Outcome]:
+    """Queue `points` as few job arrays as the headers and MaxArraySize allow; one sbatch per array."""
+    from gpujobs.launch.preflight import max_array_size
+    from gpujobs.launch.rundir import record_submission
+    from gpujobs.launch.slurm import keep_script
+
+    limit = max_array_size()
+    outcomes: list[Outcome] = []
+    for group in header_groups(points, folder):
+        for chunk in chunks(group, limit):
+            executor, points_file = array_executor(chunk, folder)
+            if dry_run:
+                print(executor.script(), end="")
+                continue
+            folder.mkdir(parents=True, exist_ok=True)
+            for point in chunk:
+                write_config(point.run_dir, point.job)
+                keep_script(point.run_dir, point.job)
+            write_text_atomic(points_file, "".join(f"{p.run_dir}\n" for p in chunk))  # as named
+            sjobs = executor.submit_script(len(chunk))
+            for point, sjob in zip(chunk, sjobs, strict=True):
+                record_submission(point.run_dir, sjob.job_id, folder)
+                outcomes.append(Outcome(point, 0, job_id=sjob.job_id, handle=sjob))
+            array_id = sjobs[0].job_id.split("_")[0]
+            print(f"gpujobs: submitted Slurm job array {array_id} ({len(chunk)} points, --array={executor.array}); "
+                  f"sweep dir {folder.parent}", flush=True)
+    return outcomes
+
+
+def wait_for(outcomes: list[Outcome]) -> None:
+    """Follow every queued point to its end; mark each completed (0) or failed (1) with why.
+
+    submitit's watcher asks `sacct` once per poll for every job it knows, not once per point.
+    """
+    import submitit
+
+    pending = [o for o in outcomes if o.handle is not None]
+    while pending:
+        for outcome in [o for o in pending if o.handle.done()]:
+            pending.remove(outcome)
+            try:
+                outcome.handle.results()
+            except (submitit.core.utils.FailedJobError, submitit.core.utils.UncompletedJobError) as err:
+                lines = [line for line in str(err).splitlines() if line.strip()]
+                outcome.code, outcome.error = 1, lines[-1] if lines else type(err).__name__
+        if pending:
+            time.sleep(1.0)
+
+
+def run_plan(plan: SweepPlan) -> list[Outcome]:
+    """Carry out a validated plan: Slurm points as job arrays, the others here, one after another."""
+    from gpujobs.launch import start
+
+    slurm = [p for p in plan.points if p.job.cluster.name == "slurm"]
+    others = [p for p in plan.points if p.job.cluster.name != "slurm"]
+    outcomes: list[Outcome] = []
+    if slurm:
+        dry_run = any(p.job.cluster.dry_run for p in slurm)
+        folder = plan.sweep_dir.absolute() / ARRAY_FOLDER
+        if not dry_run:
+            write_sweep_file(plan.sweep_dir, slurm)
+        queued = submit_arrays(slurm, folder, dry_run=dry_run)
+        if dry_run:
+            plan.discard()
+            return [Outcome(p, 0) for p in slurm]
+        if any(p.job.cluster.should_wait for p in slurm):
+            wait_for(queued)
+        outcomes += queued
+    for point in others:
+        print(f"gpujobs: sweep point #{point.num}: {' '.join(point.overrides)}", flush=True)
+        outcomes.append(Outcome(point, start(point.job, point.run_dir)))
+    return outcomes
+
+
+def summary(outcomes: list[Outcome]) -> str:
+    """One line per point that did not succeed, and a count of the rest."""
+    failed = [o for o in outcomes if o.code]
+    lines = [f"gpujobs: point #{o.point.num} ({' '.join(o.point.overrides)}) failed: {o.error or 'exit ' + str(o.code)}"
+             for o in failed]
+    lines.append(f"gpujobs: sweep: {len(outcomes) - len(failed)} of {len(outcomes)} points ok, {len(failed)} failed")
+    return "\n".join(lines)

@@ -1,0 +1,104 @@
+"""USR2 → a flag → an agreed stop at a step boundary, then requeue within the budgets.
+
+Slurm sends USR2 `signal_lead_s` seconds before the time limit (`--signal`) and at once when a
+preempting job arrives (`preempt_send_user_signal`). The handler only sets a flag: no I/O, no
+collectives, nothing that could deadlock or tear a file. At each step boundary the ranks agree with a
+one-element all-reduce (MAX), so they all stop after the same step, save one complete checkpoint
+together and exit; rank 0 records the attempt and requeues the job. No step is lost or redone.
+
+Data never comes from loader worker processes here (batches are built in the rank's own process), so
+no worker can die first or swallow the signal.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import subprocess
+import time
+from pathlib import Path
+from types import FrameType
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from gpujobs.attempts import AttemptLog, Decision, RequeuePolicy
+from gpujobs.config import JobConfig
+
+log = logging.getLogger(__name__)
+
+#: Exit status of a rank that stopped to be requeued (EX_TEMPFAIL: "try again later").
+EXIT_REQUEUED = 75
+# A USR2 this close to the time limit (beyond the signal lead) means the time limit, not preemption.
+_TIMEOUT_SLACK_S = 60
+
+
+class PreemptionWatcher:
+    """Turns USR2 into a flag that every rank agrees on at step boundaries."""
+
+    def __init__(self, signum: int = signal.SIGUSR2) -> None:
+        self.signum = signum
+        self.flagged = False
+        self.flagged_at: Optional[float] = None
+        self._previous: Any = None
+
+    def install(self) -> PreemptionWatcher:
+        """Replace the signal's handler (submitit's own, in a submitit job) with ours."""
+        self._previous = signal.signal(self.signum, self._handle)
+        return self
+
+    def uninstall(self) -> None:
+        """Put the previous handler back."""
+        if self._previous is not None:
+            signal.signal(self.signum, self._previous)
+            self._previous = None
+
+    def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
+        self.flagged = True  # only a flag: the loop acts at the next step boundary
+        if self.flagged_at is None:
+            self.flagged_at = time.time()
+
+    def should_stop(self) -> bool:
+        """True on every rank once any rank got the signal (a collective: call it on all ranks)."""
+        if not dist.is_initialized():
+            return self.flagged
+        flag = torch.tensor([1 if self.flagged else 0], dtype=torch.int32)
+        if dist.get_backend() == "nccl":
+            flag = flag.cuda()
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+def classify_stop(job: JobConfig, attempt_started: float, signalled_at: Optional[float]) -> str:
+    """`timeout` when the signal came near the time limit, else `preempted`."""
+    at = signalled_at if signalled_at is not None else time.time()
+    limit_s = job.cluster.timeout_min * 60
+    return "timeout" if at - attempt_started >= limit_s - job.cluster.signal_lead_s - _TIMEOUT_SLACK_S else "preempted"
+
+
+def record_attempt(run_dir: str, job: JobConfig, record: dict[str, Any]) -> Decision:
+    """Rank 0: decide whether to go again, write the attempt's line, and requeue on Slurm if so."""
+    attempts = AttemptLog(Path(run_dir))
+    history = attempts.read()
+    decision = RequeuePolicy.of(job.cluster).decide(history, record["reason"])
+    job_id = _slurm_job_id()
+    attempts.append(
+        {"attempt": len(history) + 1, **record, "requeue": decision.requeue, "why": decision.why, "job_id": job_id}
+    )
+    log.warning("attempt %d ended: %s; %s", len(history) + 1, record["reason"], decision.why)
+    if decision.requeue and job_id is not None and job.cluster.name == "slurm":
+        subprocess.run(["scontrol", "requeue", job_id], check=True, timeout=60)
+        log.warning("requeued Slurm job %s", job_id)
+    return decision
+
+
+def _slurm_job_id() -> Optional[str]:
+    """This job's id as scontrol wants it (array tasks: ARRAYID_TASKID), or None outside Slurm."""
+    import os
+
+    if "SLURM_JOB_ID" not in os.environ:
+        return None
+    if "SLURM_ARRAY_JOB_ID" in os.environ and "SLURM_ARRAY_TASK_ID" in os.environ:
+        return f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}"
+    return os.environ["SLURM_JOB_ID"]

@@ -1,0 +1,95 @@
+"""`python -m gpujobs.run.start --folder F (RUN_DIR | --points FILE)`: what every task of a Slurm job runs.
+
+The sbatch script names a run dir (for a job array: a file of run dirs, one per array index), never a
+pickle named by job id. Each task builds its payload from the run dir's config.yaml, then hands it to
+submitit's job-side runner as if submitit had pickled it (result pickles, logs and job environment as
+for any submitit job). So the `submit.sbatch` kept in every Slurm run dir can be queued again by hand:
+
+- a run that did not complete (crashed, cancelled, out of requeues) resumes from its last checkpoint,
+  in its own run dir, as a requeue would;
+- a run that completed is left as it is: training starts again from scratch in
+  `RUN_DIR/reruns/<job id>/` (with a copy of config.yaml), so "sbatch it again" reproduces the run
+  (same seed, same world size: same `param_digest`) without overwriting the first result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import uuid
+from pathlib import Path
+from typing import Optional
+
+from omegaconf import OmegaConf
+
+from gpujobs.atomic import write_text_atomic
+from gpujobs.config import load_config
+from gpujobs.launch.rundir import CONFIG_FILE
+from gpujobs.run.entry import RESULT_FILE
+
+RERUNS_DIR = "reruns"
+
+
+def point_run_dir(points_file: Path, task_id: int) -> Path:
+    """The run dir of array index `task_id`: that line of the array's list."""
+    lines = [line for line in points_file.read_text().splitlines() if line.strip()]
+    if not 0 <= task_id < len(lines):
+        raise SystemExit(f"gpujobs: array index {task_id} is not in {points_file} ({len(lines)} points)")
+    return Path(lines[task_id])
+
+
+def completed(run_dir: Path) -> bool:
+    """Whether the run dir holds the result of a run that completed."""
+    try:
+        return json.loads((run_dir / RESULT_FILE).read_text()).get("status") == "completed"
+    except (OSError, ValueError):
+        return False
+
+
+def training_dir(run_dir: Path, job_id: str) -> Path:
+    """Where this job trains: the run dir itself, or a fresh rerun dir when the run dir already completed.
+
+    The choice depends only on the original run dir, which nothing writes to once it completed, so every
+    rank (and every requeue of this job) makes the same one.
+    """
+    if not completed(run_dir):
+        return run_dir
+    rerun = run_dir / RERUNS_DIR / job_id
+    rerun.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(rerun / CONFIG_FILE, (run_dir / CONFIG_FILE).read_text())
+    return rerun
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    """Build this task's payload from its run dir and run it under submitit's job-side runner."""
+    parser = argparse.ArgumentParser(prog="python -m gpujobs.run.start", description=__doc__.splitlines()[0])
+    parser.add_argument("--folder", type=Path, required=True, help="submitit folder: logs and result pickles")
+    target = parser.add_mutually_exclusive_group(required=True)
+    target.add_argument("run_dir", type=Path, nargs="?", help="the run dir (a single job)")
+    target.add_argument("--points", type=Path, help="a job array's run dirs, one per array index")
+    args = parser.parse_args(argv)
+
+    import submitit
+    from submitit.core.submission import process_job
+    from submitit.core.utils import DelayedSubmission, JobPaths, cloudpickle_dump
+
+    from gpujobs.launch.payload import make_payload
+
+    os.environ["SUBMITIT_FOLDER"] = str(args.folder)
+    env = submitit.JobEnvironment()
+    run_dir = args.run_dir if args.points is None else point_run_dir(args.points, int(env.array_task_id or 0))
+    job = load_config(OmegaConf.load(run_dir / CONFIG_FILE))  # type: ignore[arg-type]
+    delayed = DelayedSubmission(make_payload(job, training_dir(run_dir, env.job_id)))
+    delayed.set_timeout(job.cluster.timeout_min, max_num_timeout=3)
+    # Every rank writes the same payload where submitit's runner looks for it; rename keeps it whole.
+    pickle = JobPaths(args.folder, job_id=env.job_id).submitted_pickle
+    pickle.parent.mkdir(parents=True, exist_ok=True)
+    tmp = pickle.with_name(f".{pickle.name}.{uuid.uuid4().hex}")
+    cloudpickle_dump(delayed, tmp)
+    os.replace(tmp, pickle)
+    process_job(args.folder)
+
+
+if __name__ == "__main__":
+    main()

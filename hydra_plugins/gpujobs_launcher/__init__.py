@@ -1,0 +1,1 @@
+"""The gpujobs sweep launcher for Hydra (`hydra/launcher=gpujobs`, the default of gpujobs' config)."""

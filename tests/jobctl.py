@@ -1,0 +1,82 @@
+"""Drive a running job from a test the way an operator would: watch its metrics, signal its ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import IO, Any
+
+
+class RunningJob:
+    """`python -m gpujobs.submit ...` started in the background, its output going to a file."""
+
+    def __init__(self, run_dir: Path, *overrides: str, env: dict[str, str] | None = None) -> None:
+        self.run_dir = run_dir
+        run_dir.parent.mkdir(parents=True, exist_ok=True)
+        self.log_path = run_dir.parent / f"{run_dir.name}.submit.log"
+        self._log: IO[str] = open(self.log_path, "w")  # noqa: SIM115 (closed in wait)
+        cmd = [sys.executable, "-m", "gpujobs.submit", f"hydra.run.dir={run_dir}", *overrides]
+        self.proc = subprocess.Popen(
+            cmd, stdout=self._log, stderr=subprocess.STDOUT, text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        )
+
+    def output(self) -> str:
+        """Everything the submitter printed so far."""
+        return self.log_path.read_text()
+
+    def wait_for_step(self, step: int, timeout: float = 120) -> int:
+        """Block until rank 0 has logged `step` or later; returns the step seen."""
+        deadline = time.monotonic() + timeout
+        metrics = self.run_dir / "metrics.jsonl"
+        while time.monotonic() < deadline:
+            if metrics.exists():
+                steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines() if line.endswith("}")]
+                if steps and max(steps) >= step:
+                    return max(steps)
+            if self.proc.poll() is not None:
+                raise AssertionError(f"job ended before step {step}:\n{self.output()}")
+            time.sleep(0.05)
+        raise AssertionError(f"no step {step} within {timeout}s:\n{self.output()}")
+
+    def local_rank_pids(self) -> dict[int, int]:
+        """rank → pid of the ranks of the local job's current attempt (children of its controller)."""
+        controllers = re.findall(r"local job (\d+)", self.output())
+        assert controllers, self.output()
+        controller = controllers[-1]
+        ranks = {}
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                if stat.read_text().rsplit(")", 1)[1].split()[1] != controller:
+                    continue
+                environ = (stat.parent / "environ").read_bytes().split(b"\0")
+            except (OSError, IndexError):
+                continue
+            for item in environ:
+                if item.startswith(b"SUBMITIT_LOCAL_GLOBALID="):
+                    ranks[int(item.split(b"=", 1)[1])] = int(stat.parent.name)
+        return ranks
+
+    def signal_rank(self, rank: int, signum: int = signal.SIGKILL) -> None:
+        """Send `signum` to one rank of the local job."""
+        pids = self.local_rank_pids()
+        assert rank in pids, pids
+        os.kill(pids[rank], signum)
+
+    def wait(self, timeout: float = 240) -> int:
+        """The submitter's exit code."""
+        try:
+            return self.proc.wait(timeout=timeout)
+        finally:
+            self._log.close()
+
+
+def attempts(run_dir: Path) -> list[dict[str, Any]]:
+    """The run's attempts.jsonl."""
+    return [json.loads(line) for line in (run_dir / "attempts.jsonl").read_text().splitlines()]

@@ -1,0 +1,89 @@
+"""Preemption and failure on a local job: the agreed stop, restarts within budgets, bounded failure.
+
+Each interrupted run must end with parameters bit-identical to an uninterrupted run of the same
+config (CPU, deterministic settings).
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from conftest import read_result, submit
+from jobctl import RunningJob, attempts
+
+# 60 slowed steps (~3 s): long enough to interrupt mid-run, short enough for CI.
+SLOW = (
+    "+experiment=rec", "+debug=tiny", "cluster=local", "trainer.max_steps=60", "checkpoint.every_steps=10",
+    "telemetry.debug_slow_rank=0", "telemetry.debug_slow_ms=40",
+)
+
+
+@pytest.fixture(scope="module")
+def straight_digest(tmp_path_factory: pytest.TempPathFactory) -> str:
+    run_dir = tmp_path_factory.mktemp("straight") / "run"
+    proc = submit(run_dir, *SLOW)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return str(read_result(run_dir)["param_digest"])
+
+
+def test_usr2_to_one_rank_stops_all_at_the_same_step_and_loses_nothing(tmp_path: Path, straight_digest: str) -> None:
+    run_dir = tmp_path / "run"
+    job = RunningJob(run_dir, *SLOW)
+    job.wait_for_step(15)
+    job.signal_rank(1, signal.SIGUSR2)  # the other rank learns of it through the agreement
+    assert job.wait() == 0, job.output()
+    first, second = attempts(run_dir)
+    assert first["reason"] == "preempted" and first["requeue"] is True
+    assert first["saved"].endswith(f"step_{first['steps_done']:08d}")
+    assert first["steps_done"] % 10 != 0 or first["steps_done"] > 15  # saved at the agreed step, not a cadence one
+    assert second["reason"] == "completed"
+    assert second["start_step"] == first["steps_done"]  # zero steps redone
+    assert second["resumed_from"] == first["saved"]
+    assert read_result(run_dir)["param_digest"] == straight_digest
+
+
+def test_killed_rank_restarts_from_the_checkpoint(tmp_path: Path, straight_digest: str) -> None:
+    run_dir = tmp_path / "run"
+    job = RunningJob(run_dir, *SLOW, "cluster.max_restarts=1")
+    job.wait_for_step(25)
+    job.signal_rank(1, signal.SIGKILL)
+    assert job.wait() == 0, job.output()
+    first, second = attempts(run_dir)
+    assert first["reason"] == "failed" and first["requeue"] is True
+    assert "remote worker" in first["error"]  # gloo names the peer that went away
+    assert second["reason"] == "completed" and second["resumed_from"].endswith("step_00000020")
+    assert read_result(run_dir)["param_digest"] == straight_digest
+
+
+def test_dead_rank_does_not_hang_the_others(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    job = RunningJob(run_dir, *SLOW, "trainer.pg_timeout_s=20")
+    job.wait_for_step(10)
+    killed = time.monotonic()
+    job.signal_rank(1, signal.SIGKILL)
+    assert job.wait(timeout=60) == 1
+    assert time.monotonic() - killed < 20 + 10  # within the process-group timeout, plus shutdown
+    (last,) = attempts(run_dir)
+    assert last["reason"] == "failed" and last["requeue"] is False
+    assert "budget exhausted" in last["why"]
+    assert "job ended: failed" in job.output()
+
+
+def test_job_failing_every_attempt_stops_at_its_budget(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.tsv"
+    bad.write_text("1\t" + "\t".join(["x"] * 39) + "\n")  # a Criteo line whose integer columns are not integers
+    run_dir = tmp_path / "run"
+    proc = submit(
+        run_dir, "+experiment=rec", "cluster=local", "data=criteo", "trainer.max_steps=12",
+        f"data.train_path={bad}", f"data.eval_path={bad}", "cluster.max_restarts=2",
+    )
+    assert proc.returncode == 1
+    lines = attempts(run_dir)
+    assert [line["reason"] for line in lines] == ["failed"] * 3
+    assert [line["requeue"] for line in lines] == [True, True, False]
+    assert "CriteoFormatError" in lines[-1]["error"] and "bad.tsv:1" in lines[-1]["error"]
+    assert "failed budget exhausted" in proc.stdout
+    assert proc.stdout.count("restarting from the last checkpoint") == 2

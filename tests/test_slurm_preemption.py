@@ -1,0 +1,92 @@
+"""Preemption on the live Slurm cluster: a signal, a preempting job and the time limit each stop the
+job at an agreed step; it requeues itself, resumes and ends bit-identical to an uninterrupted run."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import read_result, sacct_state, submit
+from jobctl import RunningJob, attempts
+
+pytestmark = pytest.mark.slurm
+
+MODEL = ("+experiment=rec", "+debug=tiny", "trainer.max_steps=200", "checkpoint.every_steps=50")
+ON_SLURM = (
+    *MODEL, "cluster=slurm", "resources.nodes=2", "resources.procs_per_node=1", "cluster.wait=true",
+    "telemetry.debug_slow_rank=0",  # only slows the steps down, so there is time to interrupt them
+)
+
+
+@pytest.fixture(scope="module")
+def reference_digest(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The same training, uninterrupted, as 2 local ranks (same world size, same numerics)."""
+    run_dir = tmp_path_factory.mktemp("reference") / "run"
+    proc = submit(run_dir, *MODEL, "cluster=local")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return str(read_result(run_dir)["param_digest"])
+
+
+def slurm_job_id(job: RunningJob) -> str:
+    found = re.findall(r"submitted Slurm job (\d+)", job.output())
+    assert found, job.output()
+    return found[0]
+
+
+def check_story(run_dir: Path, reason: str) -> list[dict[str, Any]]:
+    story = attempts(run_dir)
+    assert story[0]["reason"] == reason and story[0]["requeue"] is True, story
+    assert story[-1]["reason"] == "completed", story
+    for before, after in itertools.pairwise(story):
+        assert after["start_step"] == before["steps_done"], story  # zero steps redone
+        assert after["resumed_from"] == before["saved"], story
+    return story
+
+
+def test_usr2_requeues_and_resumes_exactly(tmp_path: Path, slurm: dict[str, str], reference_digest: str) -> None:
+    run_dir = tmp_path / "run"
+    job = RunningJob(run_dir, *ON_SLURM, "telemetry.debug_slow_ms=40", env=slurm)
+    job.wait_for_step(30)
+    job_id = slurm_job_id(job)
+    env = {**os.environ, **slurm}
+    subprocess.run(["scancel", "--signal=USR2", job_id], check=True, env=env)
+    assert job.wait(timeout=180) == 0, job.output()
+    story = check_story(run_dir, "preempted")
+    assert story[0]["job_id"] == job_id
+    assert read_result(run_dir)["param_digest"] == reference_digest
+    assert sacct_state(job_id, slurm) == "COMPLETED"
+
+
+def test_preempted_by_a_higher_priority_job(tmp_path: Path, slurm: dict[str, str], reference_digest: str) -> None:
+    run_dir = tmp_path / "run"
+    job = RunningJob(run_dir, *ON_SLURM, "telemetry.debug_slow_ms=40", env=slurm)
+    job.wait_for_step(30)
+    env = {**os.environ, **slurm}
+    urgent = subprocess.run(
+        ["sbatch", "--parsable", "-p", "urgent", "-N2", "--exclusive", f"--output={tmp_path}/urgent.out",
+         "--wrap", "sleep 2"],
+        check=True, capture_output=True, text=True, env=env,
+    ).stdout.strip()
+    assert job.wait(timeout=240) == 0, job.output()
+    check_story(run_dir, "preempted")
+    assert read_result(run_dir)["param_digest"] == reference_digest
+    assert sacct_state(urgent, slurm) == "COMPLETED"
+
+
+def test_time_limit_requeues_until_done(tmp_path: Path, slurm: dict[str, str], reference_digest: str) -> None:
+    run_dir = tmp_path / "run"
+    # 200 steps x 120 ms = 24 s of training in 1-minute allocations that get USR2 30 s before their end
+    # (Slurm checks limits about every 30 s, so the signal comes 0-30 s into each attempt).
+    job = RunningJob(
+        run_dir, *ON_SLURM, "telemetry.debug_slow_ms=120", "cluster.time=1", "cluster.signal_lead_s=30",
+        "cluster.max_timeouts=8", env=slurm,
+    )
+    assert job.wait(timeout=420) == 0, job.output()
+    story = check_story(run_dir, "timeout")
+    assert {line["reason"] for line in story[:-1]} == {"timeout"}
+    assert read_result(run_dir)["param_digest"] == reference_digest

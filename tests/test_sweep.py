@@ -1,0 +1,224 @@
+"""Sweeps as job arrays, job management and sbatch export.
+
+The first tests are pure (array specs, splitting, sacct parsing, the golden array script); the rest run
+against the live Slurm cluster of scripts/local-slurm.sh.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO, compose_job, read_result, sacct_state, submit
+
+from gpujobs.launch.manage import parse_sacct
+from gpujobs.launch.sbatch import render_sbatch, sbatch_request
+from gpujobs.launch.sweep import Point, array_spec, chunks, header_groups
+
+GOLDEN = Path(__file__).parent / "golden"
+TINY = ("+experiment=rec", "+debug=tiny", "cluster=slurm", "resources.procs_per_node=1")
+GOOD, BAD = "task=jobs.rec.task:build_task", "task=jobs.rec.task:no_such_builder"  # BAD fails in the job
+
+
+def _points(n: int, *overrides: str) -> list[Point]:
+    job = compose_job("+experiment=rec", "cluster=slurm", *overrides)
+    return [Point(i, [], job, Path(f"/runs/sweep/{i}")) for i in range(n)]
+
+
+def test_array_spec_and_split_at_max_array_size() -> None:
+    assert array_spec(6, None) == "0-5" and array_spec(6, 2) == "0-5%2"
+    sizes = [len(chunk) for chunk in chunks(_points(2500), 1001)]
+    assert sizes == [1001, 1001, 498]
+
+
+def test_points_with_different_headers_get_different_arrays() -> None:
+    one, two = _points(2), _points(1, "resources.nodes=2")
+    groups = header_groups([one[0], two[0], one[1]], Path("/runs/sweep/submitit"))
+    assert [[p.num for p in group] for group in groups] == [[0, 1], [0]]
+
+
+def test_sacct_lines_with_pending_ranges() -> None:
+    text = "17_0|COMPLETED\n17_[2-4%2]|PENDING\n17_1|CANCELLED by 0\n18|RUNNING\n19_[5,7]|PENDING\n"
+    assert parse_sacct(text) == {
+        "17_0": "COMPLETED", "17_1": "CANCELLED", "17_2": "PENDING", "17_3": "PENDING", "17_4": "PENDING",
+        "18": "RUNNING", "19_5": "PENDING", "19_7": "PENDING",
+    }
+
+
+def test_array_script_matches_the_golden_file() -> None:
+    job = compose_job(
+        "+experiment=rec", "cluster=slurm", "cluster.partition=debug", "cluster.time=00:30:00",
+        "cluster.array_parallelism=2", "resources.procs_per_node=1", "nccl=ethernet",
+    )
+    folder = Path("/runs/rec/sweep/submitit")
+    command = "/venv/bin/python -u -m gpujobs.run.start --folder /runs/rec/sweep/submitit --points /runs/p.txt"
+    text = render_sbatch(sbatch_request(job, folder, command, array=array_spec(6, 2)))
+    golden = GOLDEN / "rec_array_6x2.sbatch"
+    if os.environ.get("GPUJOBS_UPDATE_GOLDEN"):
+        golden.write_text(text)
+    assert text == golden.read_text()
+
+
+# ---------------------------------------------------------------- live cluster
+
+
+def sweep(
+    sweep_dir: Path, *overrides: str, env: dict[str, str], timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """`python -m gpujobs.submit -m ...` with its sweep dir at `sweep_dir`."""
+    cmd = [sys.executable, "-m", "gpujobs.submit", "-m", f"hydra.sweep.dir={sweep_dir}", *overrides]
+    return subprocess.run(cmd, cwd=sweep_dir.parent, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1", **env})
+
+
+def gpujobs(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """`python -m gpujobs ...` (status, logs, cancel, resubmit)."""
+    return subprocess.run([sys.executable, "-m", "gpujobs", *args], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "COLUMNS": "200", **env})
+
+
+def job_ids(run_dir: Path) -> list[str]:
+    lines = [json.loads(line) for line in (run_dir / "slurm_jobs.jsonl").read_text().splitlines()]
+    return [line["job_id"] for line in lines if "logs" in line]  # submissions, not cancel notes
+
+
+def array_of(stdout: str) -> str:
+    match = re.search(r"submitted Slurm job array (\d+)", stdout)
+    assert match, stdout
+    return match.group(1)
+
+
+def wait_final(job_id: str, env: dict[str, str], timeout: float = 90) -> str:
+    state = sacct_state(job_id, env, timeout)
+    assert state not in ("", "PENDING", "RUNNING"), f"{job_id} still {state}"
+    return state
+
+
+@pytest.mark.slurm
+def test_six_point_sweep_is_one_array(tmp_path: Path, slurm: dict[str, str]) -> None:
+    sweep_dir = tmp_path / "sweep"
+    proc = sweep(sweep_dir, *TINY, "optim.lr=1e-3,3e-3,1e-2", "model.embedding_dim=8,16", env=slurm)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    runs = [sweep_dir / str(i) for i in range(6)]
+    assert not all((r / "result.json").exists() for r in runs)  # returned before the points finished
+    array = array_of(proc.stdout)
+    assert proc.stdout.count("submitted Slurm job") == 1
+    assert [job_ids(r) for r in runs] == [[f"{array}_{i}"] for i in range(6)]
+    for i, run in enumerate(runs):
+        assert wait_final(f"{array}_{i}", slurm) == "COMPLETED"
+        assert read_result(run)["status"] == "completed"
+        assert (run / "config.yaml").exists() and "#SBATCH --array" not in (run / "submit.sbatch").read_text()
+    queued = (sweep_dir / "submitit" / f"{array}_submission.sh").read_text()
+    assert "#SBATCH --array=0-5\n" in queued
+    status = gpujobs("status", str(sweep_dir), env=slurm)
+    assert status.returncode == 0, status.stderr
+    assert status.stdout.count("COMPLETED") == 6 and "model.embedding_dim=16" in status.stdout
+
+
+@pytest.mark.slurm
+def test_cancel_fail_and_resubmit_only_the_failed(tmp_path: Path, slurm: dict[str, str]) -> None:
+    sweep_dir = tmp_path / "sweep"
+    proc = sweep(sweep_dir, *TINY, f"{GOOD},{BAD.split('=')[1]}", "trainer.max_steps=12,100000", env=slurm)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    array = array_of(proc.stdout)
+    # points: 0 good/12, 1 good/100000 (cancelled), 2 bad/12, 3 bad/100000 (both fail in the job)
+    cancel = gpujobs("cancel", str(sweep_dir), "--point", "1", env=slurm)
+    assert cancel.returncode == 0 and f"{array}_1" in cancel.stdout, cancel.stdout + cancel.stderr
+    # sacct has no record of an array task cancelled while still pending: the status table knows anyway
+    states = {i: wait_final(f"{array}_{i}", slurm) for i in (0, 2, 3)}
+    assert states == {0: "COMPLETED", 2: "FAILED", 3: "FAILED"}
+    status = gpujobs("status", str(sweep_dir), env=slurm)
+    cells = [(line.split()[1:2], line) for line in status.stdout.splitlines()]
+    rows = {first[0]: line for first, line in cells if first and first[0].isdigit()}
+    assert "CANCELLED" in rows["1"] and "FAILED" in rows["2"] and "COMPLETED" in rows["0"], status.stdout
+
+    # repair point 2 (as a user fixing the cause would), then bring back the failed ones only
+    config = sweep_dir / "2" / "config.yaml"
+    config.write_text(config.read_text().replace("no_such_builder", "build_task"))
+    again = gpujobs("resubmit", "--failed", str(sweep_dir), env=slurm)
+    assert again.returncode == 0, again.stdout + again.stderr
+    second = array_of(again.stdout)
+    assert "2 points" in again.stdout
+    assert [len(job_ids(sweep_dir / str(i))) for i in range(4)] == [1, 1, 2, 2]
+    assert job_ids(sweep_dir / "2")[-1] == f"{second}_0" and job_ids(sweep_dir / "3")[-1] == f"{second}_1"
+    assert wait_final(f"{second}_0", slurm) == "COMPLETED" and wait_final(f"{second}_1", slurm) == "FAILED"
+    assert read_result(sweep_dir / "2")["status"] == "completed"
+    assert not (sweep_dir / "1" / "result.json").exists()
+
+
+@pytest.mark.slurm
+def test_one_bad_point_refuses_the_whole_sweep(tmp_path: Path, slurm: dict[str, str]) -> None:
+    sweep_dir = tmp_path / "sweep"
+    proc = sweep(sweep_dir, *TINY, "optim.lr=1e-3,-1,3e-3", env=slurm)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("gpujobs")]
+    assert lines == ["gpujobs: config error: optim.lr=-1.0 is invalid: allowed a number > 0 "
+                     "(sweep point #1: " + " ".join(TINY) + " optim.lr=-1)"], proc.stderr
+    assert "submitted" not in proc.stdout
+    assert not sweep_dir.exists()
+
+
+@pytest.mark.slurm
+def test_dry_run_prints_the_script_and_writes_nothing(tmp_path: Path, slurm: dict[str, str]) -> None:
+    single = submit(tmp_path / "run", *TINY, "cluster.dry_run=true", env=slurm)
+    assert single.returncode == 0, single.stderr
+    assert single.stdout.startswith("#!/bin/bash\n") and "gpujobs.run.start" in single.stdout
+    assert "--array" not in single.stdout
+    swept = sweep(tmp_path / "sweep", *TINY, "cluster.dry_run=true", "cluster.array_parallelism=1",
+                  "optim.lr=1e-3,3e-3", env=slurm)
+    assert swept.returncode == 0, swept.stderr
+    assert "#SBATCH --array=0-1%1\n" in swept.stdout and "--points" in swept.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slurm
+def test_exported_script_queued_by_hand_trains_again_to_the_same_digest(tmp_path: Path, slurm: dict[str, str]) -> None:
+    run_dir = tmp_path / "run"
+    first = submit(run_dir, *TINY, "cluster.wait=true", env=slurm)
+    assert first.returncode == 0, first.stdout + first.stderr
+    by_hand = subprocess.run(["sbatch", str(run_dir / "submit.sbatch")], capture_output=True, text=True,
+                             cwd=tmp_path, env={**os.environ, **slurm}, timeout=30)
+    job_id = by_hand.stdout.split()[-1]
+    assert wait_final(job_id, slurm) == "COMPLETED"
+    rerun = read_result(run_dir / "reruns" / job_id)
+    assert rerun["status"] == "completed" and rerun["steps"] == 12  # trained again, from step 0
+    assert rerun["param_digest"] == read_result(run_dir)["param_digest"]
+
+
+@pytest.mark.slurm
+def test_hundred_points_are_queued_with_one_sbatch(tmp_path: Path, slurm: dict[str, str]) -> None:
+    """A logging `sbatch` in front of the real one counts the calls."""
+    bin_dir, calls = tmp_path / "bin", tmp_path / "sbatch_calls"
+    bin_dir.mkdir()
+    real = subprocess.run(["which", "sbatch"], capture_output=True, text=True).stdout.strip()
+    (bin_dir / "sbatch").write_text(f'#!/bin/sh\necho "$@" >> {calls}\nexec {real} "$@"\n')
+    (bin_dir / "sbatch").chmod(0o755)
+    env = {**slurm, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    start = time.perf_counter()
+    proc = sweep(tmp_path / "sweep", *TINY, "cluster.array_parallelism=1", "trainer.seed=range(0,100)", env=env)
+    elapsed = time.perf_counter() - start
+    array = array_of(proc.stdout) if proc.returncode == 0 else ""
+    subprocess.run(["scancel", array], env={**os.environ, **slurm}, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert len(calls.read_text().splitlines()) == 1
+    assert "#SBATCH --array=0-99%1" in (tmp_path / "sweep" / "submitit" / f"{array}_submission.sh").read_text()
+    assert elapsed < 30, elapsed
+
+
+def test_launcher_plugin_is_discovered_without_importing_submitit() -> None:
+    code = (
+        "import sys\n"
+        "from hydra.core.plugins import Plugins\n"
+        "from hydra.plugins.launcher import Launcher\n"
+        "names = [p.__name__ for p in Plugins.instance().discover(Launcher)]\n"
+        "assert 'GpujobsLauncher' in names, names\n"
+        "assert 'submitit' not in sys.modules and 'gpujobs' not in sys.modules\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert proc.returncode == 0, proc.stderr
