@@ -6,6 +6,9 @@ For each state size, rounds alternate (a) `CheckpointManager.save` (temp dir, fs
 prune) and (b) `torch.save` into a new file per step followed by fsync, deleting the previous one (what
 a hand-written keep-1 loop does), so both pay for durability and for fresh pages; (c) the same without
 fsync, as the floor a non-durable save costs. Median ratios.
+
+`--crash-trials N` instead runs the crash test (tests/test_checkpoint_crash.py) with N SIGKILLs at
+random moments of saving, and reports how many checkpoints were checked whole and how long it took.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -33,7 +38,16 @@ def main() -> None:
     parser.add_argument("--sizes-mb", type=int, nargs="+", default=[10, 1024])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--dir", type=Path, default=None, help="where to write (default: a temp dir)")
+    parser.add_argument("--crash-trials", type=int, default=0, help="run N kill-while-saving trials instead")
     args = parser.parse_args()
+    if args.crash_trials:
+        start = time.perf_counter()
+        test = Path(__file__).resolve().parent.parent / "tests" / "test_checkpoint_crash.py"
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", str(test)], check=False,
+                              env={**os.environ, "GPUJOBS_CRASH_TRIALS": str(args.crash_trials)})
+        print(json.dumps({"crash_trials": args.crash_trials, "passed": proc.returncode == 0,
+                          "seconds": round(time.perf_counter() - start, 1)}))
+        raise SystemExit(proc.returncode)
     report = []
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         for size in args.sizes_mb:

@@ -12,7 +12,8 @@ import torch
 
 from gpujobs.run.checkpoint import CheckpointManager
 
-TRIALS = 60
+#: bench/bench_checkpoint.py --crash-trials N runs this test with many more trials.
+TRIALS = int(os.environ.get("GPUJOBS_CRASH_TRIALS", "60"))
 
 
 def _save_forever(directory: Path, step: int) -> None:
