@@ -2,11 +2,12 @@
 
     SLURM_CONF=... python bench/bench_sweep.py [--points 100] [--singles 100]
 
-(a) `python -m gpujobs.submit -m ... trainer.seed=range(0,N)` with the gpujobs launcher, until it
-returns: every point validated and queued as one job array. (b) the same command with
-`hydra/launcher=submitit_slurm` (hydra-submitit-launcher, the `dev` extra), timed until `squeue` shows
+(a) `python -m gpujobs.submit -m ... trainer.seed=range(0,N)` with the gpujobs sweeper and launcher (the
+defaults), until it returns: the config composed once, every point derived from it, validated and queued
+as one job array. (a') the same with `hydra/sweeper=basic`, which composes every point (twice). (b) the
+same command with `hydra/launcher=submitit_slurm` (hydra-submitit-launcher, the `dev` extra), timed until `squeue` shows
 all N array tasks (it then blocks until they end, so it is stopped there). (c) N separate
-`python -m gpujobs.submit` single submissions, one after another. Ratios b/a and c/a are printed;
+`python -m gpujobs.submit` single submissions, one after another. Ratios a'/a, b/a and c/a are printed;
 everything queued is cancelled (array parallelism 1, so at most one task runs meanwhile).
 """
 
@@ -41,11 +42,11 @@ def _cancel(ids: set[str]) -> None:
         subprocess.run(["scancel", *sorted(ids)], check=False)
 
 
-def time_gpujobs(points: int, tmp: Path) -> float:
+def time_gpujobs(points: int, tmp: Path, sweeper: str = "gpujobs") -> float:
     start = time.perf_counter()
     proc = subprocess.run(
-        _submit("-m", f"hydra.sweep.dir={tmp / 'gpujobs'}", *BASE, "name=bench_gj", "cluster.array_parallelism=1",
-                f"trainer.seed=range(0,{points})"),
+        _submit("-m", f"hydra.sweep.dir={tmp / sweeper}", *BASE, "name=bench_gj", "cluster.array_parallelism=1",
+                f"hydra/sweeper={sweeper}", f"trainer.seed=range(0,{points})"),
         cwd=tmp, capture_output=True, text=True, check=True,
     )
     elapsed = time.perf_counter() - start
@@ -94,14 +95,16 @@ def main() -> None:
     args = parser.parse_args()
     if not os.environ.get("SLURM_CONF"):
         raise SystemExit("needs the live cluster: eval \"$(bash scripts/local-slurm.sh up)\"")
-    with tempfile.TemporaryDirectory(prefix="bench_sweep_") as tmp:
+    with tempfile.TemporaryDirectory(prefix="bench_sweep_", ignore_cleanup_errors=True) as tmp:
         gj = time_gpujobs(args.points, Path(tmp))
+        basic = time_gpujobs(args.points, Path(tmp), sweeper="basic")
         hs = time_hydra_submitit(args.points, Path(tmp))
         singles = time_singles(args.singles, Path(tmp)) * args.points / max(args.singles, 1)
     print(f"{args.points}-point sweep, until all points are queued:")
-    print(f"  gpujobs launcher (one array):         {gj:7.2f} s")
-    print(f"  hydra submitit launcher (one array):  {hs:7.2f} s   ratio {hs / gj:5.2f}x")
-    print(f"  {args.points} single gpujobs submissions:     {singles:7.2f} s   ratio {singles / gj:5.2f}x"
+    print(f"  gpujobs sweeper + launcher (one array): {gj:7.2f} s")
+    print(f"  basic sweeper + gpujobs launcher:       {basic:7.2f} s   ratio {basic / gj:5.2f}x")
+    print(f"  hydra submitit launcher (one array):    {hs:7.2f} s   ratio {hs / gj:5.2f}x")
+    print(f"  {args.points} single gpujobs submissions:       {singles:7.2f} s   ratio {singles / gj:5.2f}x"
           + (f" (timed {args.singles}, scaled)" if args.singles != args.points else ""))
 
 

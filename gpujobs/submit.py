@@ -15,6 +15,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from gpujobs.errors import ConfigError, GpujobsError
+from gpujobs.launch.sweep import PLANS_SWEEP_POINTS
 
 #: conf/ at the repository root; GPUJOBS_CONFIG_DIR points elsewhere (a team's own config tree).
 CONFIG_DIR = os.environ.get("GPUJOBS_CONFIG_DIR") or str(Path(__file__).resolve().parent.parent / "conf")
@@ -23,8 +24,7 @@ EXIT_REFUSED = 2
 _task_started = False
 
 
-@hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")
-def _submit(cfg: DictConfig) -> int:
+def _task(cfg: DictConfig) -> int:
     global _task_started
     _task_started = True
     from gpujobs.config import load_config
@@ -54,6 +54,11 @@ def _submit(cfg: DictConfig) -> int:
     if code:
         raise SystemExit(code)
     return code
+
+
+# In a sweep, the gpujobs sweeper may derive the points' configs from one composition (it plans them only).
+setattr(_task, PLANS_SWEEP_POINTS, True)
+_submit = hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")(_task)
 
 
 def main() -> None:

@@ -16,8 +16,10 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, compose_job, read_result, sacct_state, submit
+from omegaconf import OmegaConf
 
 from gpujobs.launch.manage import parse_sacct
+from gpujobs.launch.rundir import config_yaml
 from gpujobs.launch.sbatch import render_sbatch, sbatch_request
 from gpujobs.launch.sweep import Point, array_spec, chunks, header_groups
 
@@ -63,6 +65,15 @@ def test_array_script_matches_the_golden_file() -> None:
     if os.environ.get("GPUJOBS_UPDATE_GOLDEN"):
         golden.write_text(text)
     assert text == golden.read_text()
+
+
+def test_config_yaml_writes_what_omegaconf_writes() -> None:
+    job = compose_job("+experiment=rec", "cluster=slurm")
+    tricky = {"unicode": "é 日本", "long": "word " * 40, "lines": "a\nb", "like_float": "1.0", "like_bool": "true",
+              "like_null": "null", "interp": "${x}", "quotes": "it's \"q\"", "empty": "", "colon": "a: b",
+              "list": [1, 2.5, None, True, "yes", {"k": []}], "map": {}, "tiny": 1e-30, "inf": float("inf")}
+    for values in (job.to_dict(), tricky):
+        assert config_yaml(values) == OmegaConf.to_yaml(values)
 
 
 # ---------------------------------------------------------------- live cluster
@@ -209,6 +220,35 @@ def test_hundred_points_are_queued_with_one_sbatch(tmp_path: Path, slurm: dict[s
     assert len(calls.read_text().splitlines()) == 1
     assert "#SBATCH --array=0-99%1" in (tmp_path / "sweep" / "submitit" / f"{array}_submission.sh").read_text()
     assert elapsed < 30, elapsed
+
+
+@pytest.mark.slurm
+def test_sweeper_derived_configs_match_composing_every_point(tmp_path: Path, slurm: dict[str, str]) -> None:
+    """The gpujobs sweeper composes once; Hydra's basic sweeper composes each point: same dirs, same configs."""
+    subdir = "hydra.sweep.subdir=${hydra.job.num}_${hydra.job.override_dirname}"
+    swept = ("optim.lr=1e-3,3e-3", "trainer.seed=range(1,3)", "++trainer.max_steps=12,13")
+    runs = {}
+    for sweeper in ("gpujobs", "basic"):
+        sweep_dir = tmp_path / sweeper
+        proc = sweep(sweep_dir, *TINY, "cluster.array_parallelism=1", subdir, f"hydra/sweeper={sweeper}", *swept,
+                     env=slurm)
+        subprocess.run(["scancel", array_of(proc.stdout)], env={**os.environ, **slurm}, check=False)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert ("(gpujobs launcher, one composition)" in proc.stdout) == (sweeper == "gpujobs"), proc.stdout
+        runs[sweeper] = {p.name: (p / "config.yaml").read_text() for p in sweep_dir.iterdir() if p.name != "submitit"
+                         and p.is_dir()}
+    last = [name for name in runs["gpujobs"] if name.startswith("7_++trainer.max_steps=13,")]
+    assert len(runs["gpujobs"]) == 8 and len(last) == 1 and last[0].endswith("optim.lr=0.003,"
+                                                                             + ",".join(TINY[3:]) + ",trainer.seed=2")
+    assert runs["gpujobs"] == runs["basic"]
+
+
+@pytest.mark.slurm
+def test_group_sweep_composes_every_point(tmp_path: Path, slurm: dict[str, str]) -> None:
+    """A swept config group cannot be derived from one composition: the basic sweeper's path runs it."""
+    proc = sweep(tmp_path / "sweep", *TINY, "cluster.dry_run=true", "nccl=default,ethernet", env=slurm)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "one composition" not in proc.stdout and proc.stdout.count("#SBATCH --array=0-0\n") == 2
 
 
 def test_launcher_plugin_is_discovered_without_importing_submitit() -> None:

@@ -8,7 +8,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+import yaml
 from omegaconf import OmegaConf
+from omegaconf._utils import get_omega_conf_dumper
 
 from gpujobs.atomic import write_text_atomic
 from gpujobs.config import JobConfig
@@ -18,11 +20,37 @@ CONFIG_FILE = "config.yaml"
 SUBMISSIONS_FILE = "slurm_jobs.jsonl"
 
 
+class _Dumper(getattr(yaml, "CDumper", yaml.Dumper)):  # type: ignore[misc]
+    """OmegaConf's YAML dumper (quotes strings that would read back as bool or number), on libyaml if built."""
+
+
+_Dumper.add_representer(str, get_omega_conf_dumper().str_representer)
+
+
+def _plain(value: Any) -> bool:
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _plain(v) for k, v in value.items())
+    if isinstance(value, list):
+        return all(_plain(v) for v in value)
+    return value is None or type(value) in (str, int, float, bool)
+
+
+def config_yaml(values: dict[str, Any]) -> str:
+    """`OmegaConf.to_yaml(values)`; plain values are dumped without building a DictConfig first.
+
+    Building it is most of the cost, and a sweep writes one config per point. Anything else (an enum, a
+    tuple, a path) takes OmegaConf's own conversion.
+    """
+    if not _plain(values):
+        return OmegaConf.to_yaml(values)
+    return yaml.dump(values, Dumper=_Dumper, default_flow_style=False, allow_unicode=True, sort_keys=False)
+
+
 def write_config(run_dir: Path, job: JobConfig) -> Path:
     """Save the resolved, validated config atomically as `config.yaml`."""
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / CONFIG_FILE
-    write_text_atomic(path, OmegaConf.to_yaml(job.to_dict()))
+    write_text_atomic(path, config_yaml(job.to_dict()))
     return path
 
 

@@ -7,7 +7,10 @@ How a sweep runs (the launcher is `hydra_plugins/gpujobs_launcher`, the default 
    `SweepPlan` is active. gpujobs' own task (`gpujobs.submit`) sees it and, instead of running its
    point, validates it (`load_config` + preflight; Slurm is asked once for the whole sweep) and adds it
    to the plan. A bad point stops the sweep there with one error line and exit code 2: nothing has been
-   written or queued yet.
+   written or queued yet. When only plain values are swept, the gpujobs sweeper
+   (`hydra_plugins/gpujobs_launcher/gpujobs_sweeper.py`) composes the config once and hands the launcher
+   every point's config derived from it, instead of Hydra composing each point twice; the task (marked
+   `PLANS_SWEEP_POINTS`) plans each point the same way.
 2. **Carry out.** The launcher then calls `run_plan`. Slurm points are grouped by their sbatch header
    (resources, partition, time, NCCL environment: an array shares one), each group is one job array
    (`--array=0-N%P`, P = `cluster.array_parallelism`), split where it would pass the cluster's
@@ -42,6 +45,9 @@ from gpujobs.launch import preflight
 from gpujobs.launch.rundir import discard_if_empty, write_config
 
 SWEEP_FILE = "sweep.json"
+#: Set (True) on a task function that, in a gpujobs sweep, only plans its point (`gpujobs.submit`'s): the
+#: gpujobs sweeper may then derive the points' configs from one composition instead of composing each.
+PLANS_SWEEP_POINTS = "gpujobs_plans_sweep_points"
 ARRAY_FOLDER = "submitit"
 
 

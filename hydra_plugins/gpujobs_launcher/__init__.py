@@ -1,1 +1,1 @@
-"""The gpujobs sweep launcher for Hydra (`hydra/launcher=gpujobs`, the default of gpujobs' config)."""
+"""gpujobs' Hydra plugins: the sweep launcher and sweeper (`hydra/launcher=gpujobs`, `hydra/sweeper=gpujobs`)."""

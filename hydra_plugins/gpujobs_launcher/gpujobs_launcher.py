@@ -10,15 +10,17 @@ Hydra's plugin discovery stays fast.
 from __future__ import annotations
 
 import logging
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
-from hydra.core.utils import JobReturn, configure_log, filter_overrides, run_job, setup_globals
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.utils import JobReturn, JobStatus, configure_log, filter_overrides, run_job, setup_globals
 from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +60,42 @@ class GpujobsLauncher(Launcher):
             configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
         return runs
 
+    def _run_derived(
+        self, batch: Sequence[Sequence[str]], points: Iterable[tuple[DictConfig, DictConfig]]
+    ) -> list[JobReturn]:
+        """What `run_job` does for each point, less its copies and writes: the gpujobs task only plans it."""
+        assert self.config is not None and self.task_function is not None
+        for num, overrides in enumerate(batch):
+            log.info(f"\t#{num} : {' '.join(filter_overrides(overrides))}")
+        configure_log(self.config.hydra.job_logging, self.config.hydra.verbose)
+        runs: list[JobReturn] = []
+        for full, task in points:  # the sweeper has set HydraConfig to the point's `hydra` node
+            output_dir = os.path.join(str(OmegaConf.select(full, "hydra.sweep.dir")),
+                                      str(OmegaConf.select(full, "hydra.sweep.subdir")))
+            hydra: Any = HydraConfig.get()  # a DictConfig (the point's `hydra` node)
+            with read_write(hydra.runtime), open_dict(hydra.runtime):
+                hydra.runtime.output_dir = os.path.abspath(output_dir)
+            value = self.task_function(task)
+            runs.append(JobReturn(overrides=list(hydra.overrides.task), working_dir=os.getcwd(),
+                                  status=JobStatus.COMPLETED, _return_value=value))
+        configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
+        return runs
+
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         """Run every point's task; carry out the plan gpujobs points made; exit 1 if a followed point failed."""
+        points = len(job_overrides)
+        return self._launch(points, initial_job_idx, lambda: self._run_points(job_overrides, initial_job_idx))
+
+    def launch_derived(
+        self, batch: Sequence[Sequence[str]], points: Iterable[tuple[DictConfig, DictConfig]]
+    ) -> Sequence[JobReturn]:
+        """As `launch`, for points the gpujobs sweeper derived: (full config, task config) each, in order."""
+        return self._launch(len(batch), 0, lambda: self._run_derived(batch, points), ", one composition")
+
+    def _launch(
+        self, count: int, first_num: int, run_points: Callable[[], list[JobReturn]], how: str = ""
+    ) -> Sequence[JobReturn]:
+        """Run the points' tasks with a plan active (`run_points`), then carry out the plan they made."""
         from gpujobs.launch.sweep import collecting, run_plan, summary  # lazily: plugin discovery stays fast
 
         setup_globals()
@@ -67,10 +103,10 @@ class GpujobsLauncher(Launcher):
         configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
         sweep_dir = Path(str(self.config.hydra.sweep.dir)).absolute()
         sweep_dir.mkdir(parents=True, exist_ok=True)
-        log.info(f"Launching {len(job_overrides)} jobs (gpujobs launcher)")
+        log.info(f"Launching {count} jobs (gpujobs launcher{how})")
         with collecting(sweep_dir) as plan:
             try:
-                runs = self._run_points(job_overrides, initial_job_idx)
+                runs = run_points()
             except BaseException:  # a refused point: nothing was queued; leave no empty run dirs
                 plan.discard()
                 raise
@@ -78,8 +114,8 @@ class GpujobsLauncher(Launcher):
             return runs
         outcomes = run_plan(plan)
         by_num = {o.point.num: o for o in outcomes}
-        for ret in runs:
-            outcome = by_num.get(ret.hydra_cfg.hydra.job.num) if ret.hydra_cfg is not None else None
+        for num, ret in enumerate(runs, start=first_num):
+            outcome = by_num.get(num)
             if outcome is not None:
                 ret.return_value = outcome.code
         if any(o.code for o in outcomes):

@@ -1,0 +1,165 @@
+"""`GpujobsSweeper`: Hydra's basic sweeper, composing the config once when only plain values are swept.
+
+Hydra's basic sweeper composes every point to check the batch, then the launcher composes every point
+again: about 0.1 s a point, twice. When the task is gpujobs' own (`gpujobs.submit`), the launcher is the
+gpujobs launcher, and the sweep only varies plain values (`optim.lr=1e-3,3e-3`, `trainer.seed=range(0,100)`),
+this sweeper composes point 0 as Hydra would and derives every point from it in turn (`DerivedPoints`,
+one config changed in place), applying that point's swept overrides with Hydra's own override code: what
+composition would have done, since config overrides are applied after the defaults list, in order, and
+no other override touches a swept key. Each point's `hydra.overrides.task`, `hydra.job.override_dirname`,
+`hydra.job.num` and `hydra.job.id` are set as Hydra sets them, in the config and in `HydraConfig`, so
+`${hydra:...}` interpolations and the sweep subdir resolve the same. The launcher then plans and queues
+the points (`GpujobsLauncher.launch_derived`); the task must carry `gpujobs.launch.sweep.PLANS_SWEEP_POINTS`.
+
+Anything else takes the basic sweeper's path unchanged: swept config groups (`model=a,b`), `~` deletes,
+dict or list values, swept keys that another override also touches, `max_batch_size`, Hydra callbacks,
+`hydra.job.chdir`, `hydra.job.env_set`, `hydra.output_subdir`, another launcher or another task.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, Optional
+
+from hydra._internal.config_loader_impl import ConfigLoaderImpl, get_overrides_dirname
+from hydra._internal.core_plugins import basic_sweeper
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import Override, OverrideType
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
+
+log = logging.getLogger(__name__)
+
+
+def _overlaps(key: str, other: str) -> bool:
+    return key == other or other.startswith(key + ".") or key.startswith(other + ".")
+
+
+class GpujobsSweeper(basic_sweeper.BasicSweeper):
+    """Basic sweeper with a compose-once path for gpujobs value sweeps (see the module docstring)."""
+
+    def __init__(self, max_batch_size: Optional[int] = None, params: Optional[dict[str, str]] = None) -> None:
+        super().__init__(max_batch_size=max_batch_size, params=params)
+        self.task_function: Any = None
+
+    def setup(self, *, hydra_context: Any, task_function: Any, config: DictConfig) -> None:
+        """As the basic sweeper; keeps the task function to tell whether it is gpujobs' own."""
+        super().setup(hydra_context=hydra_context, task_function=task_function, config=config)
+        self.task_function = task_function
+
+    def sweep(self, arguments: list[str]) -> Any:
+        """Derive and launch the points in one go where that is exact; otherwise sweep as the basic sweeper."""
+        parsed = self._derivable(arguments)
+        if parsed is None:
+            return super().sweep(arguments)
+        assert self.config is not None and self.hydra_context is not None
+        batch = self.split_arguments(parsed, None)[0]
+        sweep_dir = Path(str(self.config.hydra.sweep.dir))
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
+        points = self._derive(batch, {o.key_or_group for o in parsed if o.is_sweep_override()})
+        launcher: Any = self.launcher
+        return [launcher.launch_derived(batch, points)]
+
+    def _derivable(self, arguments: list[str]) -> Optional[list[Override]]:
+        """The parsed overrides when every point can be derived from one composition, else None."""
+        from gpujobs.launch.sweep import PLANS_SWEEP_POINTS
+        from hydra_plugins.gpujobs_launcher.gpujobs_launcher import GpujobsLauncher
+
+        assert self.config is not None and self.hydra_context is not None
+        hydra = self.config.hydra
+        repository = getattr(self.hydra_context.config_loader, "repository", None)
+        if (
+            not getattr(self.task_function, PLANS_SWEEP_POINTS, False)
+            or not isinstance(self.launcher, GpujobsLauncher)
+            or self.max_batch_size is not None
+            or repository is None
+            or hydra.job.chdir
+            or hydra.job.env_set
+            or hydra.output_subdir is not None
+            or hydra.callbacks
+        ):
+            return None
+        params = [f"{k}={v}" for k, v in self.params.items()] + list(arguments)
+        parsed = OverridesParser.create(config_loader=self.hydra_context.config_loader).parse_overrides(params)
+        values = [o for o in parsed if o.package is None and not repository.group_exists(o.key_or_group)]
+        for override in parsed:
+            if not override.is_sweep_override():
+                continue
+            if (
+                override not in values
+                or override.is_hydra_override()
+                or not override.is_discrete_sweep()
+                or override.type not in (OverrideType.CHANGE, OverrideType.ADD, OverrideType.FORCE_ADD)
+                or any(isinstance(v, (dict, list)) for v in override.sweep_iterator())
+                or any(o is not override and _overlaps(override.key_or_group, o.key_or_group) for o in values)
+            ):
+                return None
+        return parsed
+
+    def _derive(self, batch: Sequence[Sequence[str]], swept: set[str]) -> DerivedPoints:
+        """Point 0 composed by Hydra; every point checked to derive from it, as composing it would have."""
+        assert self.config is not None and self.hydra_context is not None
+        parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
+        parsed: dict[str, Override] = {}  # the points share most of their override lines: parse each once
+        for line in {line for overrides in batch for line in overrides}:
+            parsed[line] = parser.parse_overrides([line])[0]
+        first = self.hydra_context.config_loader.load_sweep_config(self.config, list(batch[0]))
+        points = DerivedPoints(first, [[parsed[line] for line in overrides] for overrides in batch], swept)
+        points.check()  # as the basic sweeper's check of the batch
+        return points
+
+
+class DerivedPoints:
+    """The points of a value sweep, derived in turn from one composed config (changed in place).
+
+    While a point is current, `HydraConfig` holds its `hydra` node, as `run_job` would have set it.
+    """
+
+    def __init__(self, first: DictConfig, batch: list[list[Override]], swept: set[str]) -> None:
+        self.full = first
+        self.task = copy.deepcopy(first)  # what `run_job` hands the task: the config less its hydra node
+        with read_write(self.task), open_dict(self.task):
+            del self.task["hydra"]
+        self.batch = batch
+        self.swept = swept
+
+    def __len__(self) -> int:
+        return len(self.batch)
+
+    def check(self) -> None:
+        """Apply every point's values in turn: a value its key's type refuses fails here, before any point runs."""
+        for parsed in self.batch:
+            self._apply(parsed)
+
+    def __iter__(self) -> Iterator[tuple[DictConfig, DictConfig]]:
+        """Each point's full config and task config, in order; valid until the next point is taken."""
+        dirname = self.full.hydra.job.config.override_dirname
+        for num, parsed in enumerate(self.batch):
+            self._apply(parsed)
+            task = [o for o in parsed if not o.is_hydra_override()]
+            overrides_dirname = get_overrides_dirname(
+                overrides=task, kv_sep=dirname.kv_sep, item_sep=dirname.item_sep,
+                exclude_keys=list(dirname.exclude_keys),
+            )
+            nodes = [self.full.hydra] if num == 0 else [self.full.hydra, HydraConfig.get()]
+            for hydra in nodes:
+                with read_write(hydra), open_dict(hydra):
+                    hydra.overrides.task = [o.input_line for o in task]
+                    hydra.job.override_dirname = overrides_dirname
+                    hydra.job.id = num
+                    hydra.job.num = num
+            if num == 0:  # later points change its copy of the node where they differ (above); it resolves
+                HydraConfig.instance().set_config(self.full)  # interpolations against `full`, its parent
+            yield self.full, self.task
+
+    def _apply(self, parsed: list[Override]) -> None:
+        changed = [copy.copy(o) for o in parsed if o.key_or_group in self.swept]
+        for override in changed:  # the first point added the key: setting it is what adding it did
+            if override.type == OverrideType.ADD:
+                override.type = OverrideType.FORCE_ADD
+        for cfg in (self.full, self.task):
+            ConfigLoaderImpl._apply_overrides_to_config(changed, cfg)
