@@ -22,24 +22,18 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from bench_trainer import WORLD, job_config, spawn_rate
+from bench_trainer import WORLD, job_config, join_as_rank, spawn_rate
 
 from gpujobs.config import JobConfig
 from gpujobs.run.checkpoint import CheckpointManager
-from gpujobs.run.distributed import gather_ranks, init_process_group
-from gpujobs.run.entry import load_task_builder
-from gpujobs.run.jobenv import DistInfo
+from gpujobs.run.distributed import gather_ranks
 from gpujobs.run.metrics import MetricsLog
 from gpujobs.run.telemetry import Telemetry
-from gpujobs.run.trainer import Trainer, seed_everything
+from gpujobs.run.trainer import Trainer
 
 
 def _rank(rank: int, on: bool, job: JobConfig, port: int, out: Any) -> None:
-    torch.set_num_threads(job.resources.cpus_per_task)
-    info = DistInfo(rank, rank, WORLD, WORLD, "127.0.0.1", port, "bench")
-    init_process_group(info, job.nccl, 120)
-    seed_everything(job.trainer.seed)
-    task = load_task_builder(job.task)(job.model, job.data, rank, WORLD, job.trainer.grad_accum)
+    info, task = join_as_rank(rank, job, port)
     device = torch.device("cpu")
     with tempfile.TemporaryDirectory() as tmp:
         ranks = gather_ranks(info)  # the entry gathers this table whether telemetry is on or not

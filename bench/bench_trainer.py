@@ -54,12 +54,17 @@ def job_config(steps: int, overrides: list[str]) -> JobConfig:
     return load_config(cfg)
 
 
-def _rank(rank: int, kind: str, job: JobConfig, port: int, out: Any) -> None:
+def join_as_rank(rank: int, job: JobConfig, port: int) -> tuple[DistInfo, Any]:
+    """In a spawned bench process: join the gloo group as `rank` and build the job's task."""
     torch.set_num_threads(job.resources.cpus_per_task)
     info = DistInfo(rank, rank, WORLD, WORLD, "127.0.0.1", port, "bench")
     init_process_group(info, job.nccl, 120)
     seed_everything(job.trainer.seed)
-    task = load_task_builder(job.task)(job.model, job.data, rank, WORLD, job.trainer.grad_accum)
+    return info, load_task_builder(job.task)(job.model, job.data, rank, WORLD, job.trainer.grad_accum)
+
+
+def _rank(rank: int, kind: str, job: JobConfig, port: int, out: Any) -> None:
+    info, task = join_as_rank(rank, job, port)
     device = torch.device("cpu")
     if kind == "gpujobs":
         with tempfile.TemporaryDirectory() as tmp:
