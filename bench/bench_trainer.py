@@ -1,6 +1,6 @@
 """Trainer overhead and data-pipeline headroom, side by side in one invocation.
 
-    python bench/bench_trainer.py [--steps 200] [--rounds 3] [overrides...]
+    python bench/bench_trainer.py [--steps 500] [--rounds 8] [overrides...]
 
 (a) the gpujobs Trainer and (b) a hand-written minimal DDP loop train the same rec model on the same
 data for the same steps with 2 gloo ranks, doing the same math (Adam at a constant learning rate, no
@@ -112,8 +112,8 @@ def data_rate(job: JobConfig, steps: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=500)
+    parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     job = job_config(args.steps, args.overrides)
