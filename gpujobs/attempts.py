@@ -19,7 +19,6 @@ from gpujobs.atomic import fsync_dir
 from gpujobs.config import ClusterConfig
 
 ATTEMPTS_FILE = "attempts.jsonl"
-REASONS = ("completed", "preempted", "timeout", "failed")
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,3 @@ class ConfigError(GpujobsError, ValueError):
 
 class SubmitError(GpujobsError):
     """The job could not be submitted or launched (the executor said why)."""
-
-
-class JobFailedError(GpujobsError):
-    """A job ran and ended in a state other than completed."""

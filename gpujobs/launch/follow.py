@@ -6,7 +6,6 @@ import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from types import TracebackType
 from typing import Any, Optional
 
 from gpujobs.config import JobConfig
@@ -48,7 +47,7 @@ class JobFollower:
     def __enter__(self) -> JobFollower:
         return self
 
-    def __exit__(self, *exc: tuple[type[BaseException] | None, BaseException | None, TracebackType | None]) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.view.close()
 
     def _show_new(self) -> None:

@@ -6,6 +6,7 @@ What is queued, what a dry run prints and the `submit.sbatch` kept in the run di
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import shlex
@@ -107,11 +108,4 @@ def _template() -> jinja2.Template:
 
 def render_sbatch(request: SbatchRequest) -> str:
     """The script's text. Every value from config is shell-quoted."""
-    return _template().render(
-        flags=request.flags,
-        env=request.env,
-        stdout=request.stdout,
-        stderr=request.stderr,
-        command=request.command,
-        signal_lead_s=request.signal_lead_s,
-    )
+    return _template().render(**dataclasses.asdict(request))
