@@ -4,10 +4,12 @@
 
 Each round times, side by side: (a) `python -m gpujobs.submit +experiment=rec +debug=tiny cluster=slurm`
 until it returns (job queued, config validated, preflight done); (b) a bare `python -c pass` plus
-`sbatch --wrap` of a trivial job (the floor any Python tool that calls sbatch pays); and (c) a Python
-start that composes the same config with Hydra's compose API, plus the same `sbatch` (the floor of any
-Hydra-configured submitter). Rounds rotate the order; median ratios a/b and a/c are reported. Queued
-jobs are cancelled at the end.
+`sbatch --wrap` of a trivial job (the floor any Python tool that calls sbatch pays); (c) a Python start
+that composes the same config with Hydra's compose API, plus the same `sbatch` (the floor of any
+Hydra-configured submitter); and (d) a Hydra main over the same config that does nothing, plus the same
+`sbatch` (the floor of a submitter that is a Hydra main, as `gpujobs.submit` is). Rounds rotate the
+order; median ratios a/b, a/c and a/d are reported. Every queued job is cancelled as soon as its
+timing ends, so that none runs beside a later measurement.
 """
 
 from __future__ import annotations
@@ -28,6 +30,20 @@ COMPOSE = (
     f"with initialize_config_dir(config_dir={str(REPO / 'conf')!r}, version_base='1.3'):\n"
     "    compose(config_name='config', overrides=['+experiment=rec', '+debug=tiny', 'cluster=slurm'])\n"
 )
+#: A Hydra main over the same config that does nothing: what `python -m gpujobs.submit` pays before its own work
+#: (Hydra 1.3's main composes the config twice: once to read `hydra.mode`, once to run).
+HYDRA_MAIN = (
+    "import hydra\n"
+    f"@hydra.main(version_base='1.3', config_path={str(REPO / 'conf')!r}, config_name='config')\n"
+    "def noop(cfg):\n"
+    "    pass\n"
+    "noop()\n"
+)
+
+
+def cancel(jobs: list[str]) -> None:
+    """Cancel at once, outside the timing: a queued job left to start would share the CPUs with the next round."""
+    subprocess.run(["scancel", *jobs], check=False)
 
 
 def timed(cmd: list[str], cwd: Path) -> tuple[float, str]:
@@ -40,33 +56,35 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
-    jobs: list[str] = []
-    times: dict[str, list[float]] = {"gpujobs": [], "raw": [], "hydra": []}
+    times: dict[str, list[float]] = {"gpujobs": [], "raw": [], "hydra": [], "hydra_main": []}
     with tempfile.TemporaryDirectory() as tmp:
         for round_ in range(args.rounds):
             def gpujobs(round_: int = round_) -> None:
                 seconds, out = timed(
                     [sys.executable, "-m", "gpujobs.submit", f"hydra.run.dir={tmp}/run{round_}",
                      "+experiment=rec", "+debug=tiny", "cluster=slurm"], REPO)
-                jobs.extend(re.findall(r"submitted Slurm job (\d+)", out))
+                cancel(re.findall(r"submitted Slurm job (\d+)", out))
                 times["gpujobs"].append(seconds)
 
-            def raw() -> None:
-                python_s, _ = timed([sys.executable, "-c", "pass"], REPO)
+            def python_then_sbatch(name: str, *python: str) -> None:
+                python_s, _ = timed([sys.executable, *python], REPO)
                 sbatch_s, out = timed(["sbatch", "--parsable", f"--output={tmp}/raw-%j.out", "--wrap", "true"], REPO)
-                jobs.append(out.strip().split(";")[0])
-                times["raw"].append(python_s + sbatch_s)
+                cancel([out.strip().split(";")[0]])
+                times[name].append(python_s + sbatch_s)
+
+            def raw() -> None:
+                python_then_sbatch("raw", "-c", "pass")
 
             def hydra() -> None:
-                python_s, _ = timed([sys.executable, "-c", COMPOSE], REPO)
-                sbatch_s, out = timed(["sbatch", "--parsable", f"--output={tmp}/raw-%j.out", "--wrap", "true"], REPO)
-                jobs.append(out.strip().split(";")[0])
-                times["hydra"].append(python_s + sbatch_s)
+                python_then_sbatch("hydra", "-c", COMPOSE)
 
-            steps = [gpujobs, raw, hydra]
-            for step in steps[round_ % 3:] + steps[: round_ % 3]:
+            def hydra_main(round_: int = round_) -> None:
+                python_then_sbatch("hydra_main", "-c", HYDRA_MAIN, f"hydra.run.dir={tmp}/noop{round_}",
+                                   "+experiment=rec", "+debug=tiny", "cluster=slurm")
+
+            steps = [gpujobs, raw, hydra, hydra_main]
+            for step in steps[round_ % len(steps):] + steps[: round_ % len(steps)]:
                 step()
-    subprocess.run(["scancel", *jobs], check=False)
     def ratio(base: str) -> float:
         return round(statistics.median(a / b for a, b in zip(times["gpujobs"], times[base], strict=True)), 3)
 
@@ -75,8 +93,10 @@ def main() -> None:
         "gpujobs_submit_s": round(statistics.median(times["gpujobs"]), 3),
         "raw_sbatch_plus_python_s": round(statistics.median(times["raw"]), 3),
         "hydra_compose_plus_sbatch_s": round(statistics.median(times["hydra"]), 3),
+        "noop_hydra_main_plus_sbatch_s": round(statistics.median(times["hydra_main"]), 3),
         "ratio_vs_raw": ratio("raw"),
         "ratio_vs_hydra_compose": ratio("hydra"),
+        "ratio_vs_noop_hydra_main": ratio("hydra_main"),
     }, indent=2))
 
 

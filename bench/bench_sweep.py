@@ -1,14 +1,16 @@
 """Time to queue a 100-point sweep on the live Slurm cluster: gpujobs against Hydra's submitit launcher.
 
-    SLURM_CONF=... python bench/bench_sweep.py [--points 100] [--singles 100]
+    SLURM_CONF=... python bench/bench_sweep.py [--points 100] [--rounds 3] [--singles 100]
 
 (a) `python -m gpujobs.submit -m ... trainer.seed=range(0,N)` with the gpujobs sweeper and launcher (the
 defaults), until it returns: the config composed once, every point derived from it, validated and queued
 as one job array. (a') the same with `hydra/sweeper=basic`, which composes every point (twice). (b) the
-same command with `hydra/launcher=submitit_slurm` (hydra-submitit-launcher, the `dev` extra), timed until `squeue` shows
-all N array tasks (it then blocks until they end, so it is stopped there). (c) N separate
-`python -m gpujobs.submit` single submissions, one after another. Ratios a'/a, b/a and c/a are printed;
-everything queued is cancelled (array parallelism 1, so at most one task runs meanwhile).
+same command with `hydra/launcher=submitit_slurm` (hydra-submitit-launcher, the `dev` extra), timed until
+`squeue` shows all N array tasks (it then blocks until they end, so it is stopped there). (c) N separate
+`python -m gpujobs.submit` single submissions, one after another. (a) and (b) run side by side for
+`--rounds` rounds, alternating which goes first, and the median of their per-round ratios b/a is printed;
+a'/a and c/a come from one round. Everything queued is cancelled at once (array parallelism 1, so at most
+one task runs meanwhile).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -43,6 +46,7 @@ def _cancel(ids: set[str]) -> None:
 
 
 def time_gpujobs(points: int, tmp: Path, sweeper: str = "gpujobs") -> float:
+    tmp.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     proc = subprocess.run(
         _submit("-m", f"hydra.sweep.dir={tmp / sweeper}", *BASE, "name=bench_gj", "cluster.array_parallelism=1",
@@ -55,6 +59,7 @@ def time_gpujobs(points: int, tmp: Path, sweeper: str = "gpujobs") -> float:
 
 
 def time_hydra_submitit(points: int, tmp: Path) -> float:
+    tmp.mkdir(parents=True, exist_ok=True)
     cmd = _submit("-m", f"hydra.sweep.dir={tmp / 'hydra'}", *BASE, "name=bench_hs",
                   "hydra/launcher=submitit_slurm", "hydra.launcher.name=bench_hs",
                   f"hydra.launcher.submitit_folder={tmp / 'hydra' / 'submitit'}", "hydra.launcher.array_parallelism=1",
@@ -77,34 +82,46 @@ def time_hydra_submitit(points: int, tmp: Path) -> float:
 
 
 def time_singles(count: int, tmp: Path) -> float:
-    ids: set[str] = set()
-    start = time.perf_counter()
+    """The summed time of `count` single submissions; each job is cancelled once its submission is timed,
+    so that no queued job runs beside the next submission."""
+    elapsed = 0.0
     for i in range(count):
+        start = time.perf_counter()
         proc = subprocess.run(_submit(f"hydra.run.dir={tmp / 'single' / str(i)}", *BASE, "name=bench_single",
                                       f"trainer.seed={i}"), cwd=tmp, capture_output=True, text=True, check=True)
-        ids |= set(re.findall(r"submitted Slurm job (\d+)", proc.stdout))
-    elapsed = time.perf_counter() - start
-    _cancel(ids)
+        elapsed += time.perf_counter() - start
+        _cancel(set(re.findall(r"submitted Slurm job (\d+)", proc.stdout)))
     return elapsed
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--points", type=int, default=100)
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of (a) and (b) side by side; medians reported")
     parser.add_argument("--singles", type=int, default=100, help="single submissions to time (scaled to --points)")
     args = parser.parse_args()
     if not os.environ.get("SLURM_CONF"):
         raise SystemExit("needs the live cluster: eval \"$(bash scripts/local-slurm.sh up)\"")
+    gj: list[float] = []
+    hs: list[float] = []
     with tempfile.TemporaryDirectory(prefix="bench_sweep_", ignore_cleanup_errors=True) as tmp:
-        gj = time_gpujobs(args.points, Path(tmp))
-        basic = time_gpujobs(args.points, Path(tmp), sweeper="basic")
-        hs = time_hydra_submitit(args.points, Path(tmp))
+        for round_ in range(args.rounds):
+            here = Path(tmp) / str(round_)
+            for which in ("gj", "hs") if round_ % 2 == 0 else ("hs", "gj"):  # alternate which goes first
+                if which == "gj":
+                    gj.append(time_gpujobs(args.points, here))
+                else:
+                    hs.append(time_hydra_submitit(args.points, here))
+        basic = time_gpujobs(args.points, Path(tmp) / "basic", sweeper="basic")
         singles = time_singles(args.singles, Path(tmp)) * args.points / max(args.singles, 1)
-    print(f"{args.points}-point sweep, until all points are queued:")
-    print(f"  gpujobs sweeper + launcher (one array): {gj:7.2f} s")
-    print(f"  basic sweeper + gpujobs launcher:       {basic:7.2f} s   ratio {basic / gj:5.2f}x")
-    print(f"  hydra submitit launcher (one array):    {hs:7.2f} s   ratio {hs / gj:5.2f}x")
-    print(f"  {args.points} single gpujobs submissions:       {singles:7.2f} s   ratio {singles / gj:5.2f}x"
+    ratios = sorted(h / g for g, h in zip(gj, hs, strict=True))
+    fast = statistics.median(gj)
+    print(f"{args.points}-point sweep, until all points are queued (median of {args.rounds} rounds where so marked):")
+    print(f"  gpujobs sweeper + launcher (one array): {fast:7.2f} s   rounds {', '.join(f'{g:.2f}' for g in gj)}")
+    print(f"  hydra submitit launcher (one array):    {statistics.median(hs):7.2f} s   "
+          f"ratio {statistics.median(ratios):5.2f}x (rounds {', '.join(f'{r:.1f}' for r in ratios)})")
+    print(f"  basic sweeper + gpujobs launcher:       {basic:7.2f} s   ratio {basic / fast:5.2f}x (one round)")
+    print(f"  {args.points} single gpujobs submissions:       {singles:7.2f} s   ratio {singles / fast:5.2f}x"
           + (f" (timed {args.singles}, scaled)" if args.singles != args.points else ""))
 
 

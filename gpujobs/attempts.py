@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from gpujobs.atomic import fsync_dir
+from gpujobs.atomic import fsync_path
 from gpujobs.config import ClusterConfig
 
 ATTEMPTS_FILE = "attempts.jsonl"
@@ -78,7 +78,7 @@ class AttemptLog:
             handle.write(line)
             handle.flush()
             os.fsync(handle.fileno())
-        fsync_dir(self.path.parent)
+        fsync_path(self.path.parent)
 
     def last(self) -> Optional[dict[str, Any]]:
         """The newest line, if any."""

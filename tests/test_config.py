@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
-import pytest
-from conftest import compose_job
+from typing import Any
 
+import pytest
+from conftest import CONF, REPO, compose_job
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from gpujobs import config
 from gpujobs.config import load_config, parse_time_minutes, resolve_cluster_name
 from gpujobs.errors import ConfigError
 from gpujobs.nccl import KNOWN_NCCL_VARS, NcclSettings
@@ -109,3 +114,58 @@ def test_resolved_config_round_trips() -> None:
     job = compose_job("+experiment=rec", "cluster=local", "optim.lr=0.01")
     again = load_config(job.to_dict())
     assert again == job
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ("+experiment=rec", "cluster=slurm"),
+        ("+experiment=rec", "nccl=infiniband", "+nccl.extra.NCCL_ALGO=Ring", "optim.lr=1", "resources.mem_gb=8"),
+        ("+experiment=rec", "data=criteo", "data.train_path=/d/train.tsv", "data.eval_path=/d/eval.tsv"),
+        ("+experiment=rec", f"+script.path={REPO / 'tests/scripts/torchrun_style.py'}", "+script.args=[--opt,sgd]"),
+    ],
+)
+def test_exact_typed_sections_build_the_same_objects_as_the_merge(overrides: tuple[str, ...]) -> None:
+    """The direct path (values already of their fields' types) and OmegaConf's merge agree, field by field."""
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        raw: Any = OmegaConf.to_container(compose(config_name="config", overrides=list(overrides)), resolve=True)
+    job = load_config(raw)
+    sections = [(key, schema) for key, schema in config._SECTIONS.items()]
+    sections += [(key, type(getattr(job, key))) for key in ("model", "data")]
+    sections += [("script", config.ScriptConfig)] if job.script is not None else []
+    for key, schema in sections:
+        fields = config._fields(schema)
+        assert all(config._exact(fields[name][0], value) is not config._NO_FIT for name, value in raw[key].items()), (
+            f"{key} would not take the direct path")
+        assert config._section(key, schema, raw[key]) == config._merged_section(key, schema, raw[key]), key
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "expected"),
+    [
+        ("trainer.max_steps", "12", 12),  # OmegaConf converts what the direct path does not take
+        ("optim.lr", 1, 1.0),
+        ("trainer.grad_clip", None, None),
+        ("resources.mem_gb", 2, 2.0),
+        ("cluster.wait", "true", True),
+    ],
+)
+def test_values_of_other_types_convert_as_omegaconf_does(key: str, value: object, expected: object) -> None:
+    raw = compose_job("+experiment=rec").to_dict()
+    section, name = key.split(".")
+    raw[section][name] = value
+    got = getattr(getattr(load_config(raw), section), name)
+    assert got == expected and type(got) is type(expected)
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("trainer.max_steps", True), ("trainer.max_steps", None), ("trainer.amp", 3), ("optim.lr", "fast")],
+)
+def test_values_the_schema_refuses_still_name_the_key(key: str, value: object) -> None:
+    raw = compose_job("+experiment=rec").to_dict()
+    section, name = key.split(".")
+    raw[section][name] = value
+    with pytest.raises(ConfigError) as info:
+        load_config(raw)
+    assert info.value.key == key

@@ -72,7 +72,9 @@ def test_config_yaml_writes_what_omegaconf_writes() -> None:
     tricky = {"unicode": "é 日本", "long": "word " * 40, "lines": "a\nb", "like_float": "1.0", "like_bool": "true",
               "like_null": "null", "interp": "${x}", "quotes": "it's \"q\"", "empty": "", "colon": "a: b",
               "list": [1, 2.5, None, True, "yes", {"k": []}], "map": {}, "tiny": 1e-30, "inf": float("inf")}
-    for values in (job.to_dict(), tricky):
+    changed = job.to_dict()
+    changed["trainer"]["seed"] += 1  # a sweep's next point: its other sections' text is reused
+    for values in (job.to_dict(), tricky, changed, {}):
         assert config_yaml(values) == OmegaConf.to_yaml(values)
 
 
@@ -241,6 +243,16 @@ def test_sweeper_derived_configs_match_composing_every_point(tmp_path: Path, slu
     assert len(runs["gpujobs"]) == 8 and len(last) == 1 and last[0].endswith("optim.lr=0.003,"
                                                                              + ",".join(TINY[3:]) + ",trainer.seed=2")
     assert runs["gpujobs"] == runs["basic"]
+
+
+@pytest.mark.parametrize("sweeper", ["gpujobs", "basic"])
+def test_adding_a_key_that_exists_fails_as_composition_does(tmp_path: Path, sweeper: str) -> None:
+    """The derived points apply `+key=` as Hydra would at each point: where the key exists, it fails."""
+    proc = sweep(tmp_path / "sweep", "+experiment=rec", "cluster=local", f"hydra/sweeper={sweeper}",
+                 "+trainer.seed=1,2", env={})
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Could not append to config. An item is already at 'trainer.seed'" in proc.stderr
+    assert not (tmp_path / "sweep" / "0").exists()
 
 
 @pytest.mark.slurm

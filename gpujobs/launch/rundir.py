@@ -6,13 +6,13 @@ import contextlib
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import yaml
 from omegaconf import OmegaConf
 from omegaconf._utils import get_omega_conf_dumper
 
-from gpujobs.atomic import write_text_atomic
+from gpujobs.atomic import FsyncBatch, write_text_atomic
 from gpujobs.config import JobConfig
 
 CONFIG_FILE = "config.yaml"
@@ -38,19 +38,35 @@ def _plain(value: Any) -> bool:
 def config_yaml(values: dict[str, Any]) -> str:
     """`OmegaConf.to_yaml(values)`; plain values are dumped without building a DictConfig first.
 
-    Building it is most of the cost, and a sweep writes one config per point. Anything else (an enum, a
-    tuple, a path) takes OmegaConf's own conversion.
+    Building it is most of the cost, and a sweep writes one config per point, whose sections mostly
+    repeat the other points': each top-level entry's text is dumped once per distinct value (a block
+    mapping's text is its entries' texts, one after another). Anything else (an enum, a tuple, a path)
+    takes OmegaConf's own conversion.
     """
-    if not _plain(values):
+    if not values or not _plain(values):
         return OmegaConf.to_yaml(values)
-    return yaml.dump(values, Dumper=_Dumper, default_flow_style=False, allow_unicode=True, sort_keys=False)
+    return "".join(_entry_yaml(key, value) for key, value in values.items())
 
 
-def write_config(run_dir: Path, job: JobConfig) -> Path:
-    """Save the resolved, validated config atomically as `config.yaml`."""
+_entries: dict[tuple[str, str], str] = {}
+
+
+def _entry_yaml(key: str, value: Any) -> str:
+    """One top-level entry's YAML; kept by its `repr` (which tells 1, 1.0, True and "1" apart)."""
+    memo = (key, repr(value))
+    text = _entries.get(memo)
+    if text is None:
+        text = yaml.dump({key: value}, Dumper=_Dumper, default_flow_style=False, allow_unicode=True, sort_keys=False)
+        if len(_entries) < 1024:
+            _entries[memo] = text
+    return text
+
+
+def write_config(run_dir: Path, job: JobConfig, batch: Optional[FsyncBatch] = None) -> Path:
+    """Save the resolved, validated config atomically as `config.yaml` (durable now, or with `batch`)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / CONFIG_FILE
-    write_text_atomic(path, config_yaml(job.to_dict()))
+    write_text_atomic(path, config_yaml(job.to_dict()), batch)
     return path
 
 

@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 import submitit
 
-from gpujobs.atomic import write_text_atomic
+from gpujobs.atomic import FsyncBatch, write_text_atomic
 from gpujobs.config import JobConfig
 from gpujobs.errors import SubmitError
 from gpujobs.launch.rundir import record_submission
@@ -63,15 +63,24 @@ class GpujobsSlurmExecutor(submitit.SlurmExecutor):
         return [submitit.SlurmJob(self.folder, f"{first.job_id}_{i}", tasks=tasks) for i in range(array_size)]
 
 
+def _single(job: JobConfig, run_dir: Path) -> tuple[Path, str]:
+    folder = run_dir / job.cluster.folder
+    return folder, job_command(folder, run_dir=run_dir)
+
+
 def single_executor(job: JobConfig, run_dir: Path) -> GpujobsSlurmExecutor:
     """The executor of `run_dir` as one job (what `submit.sbatch` of every Slurm run dir holds)."""
-    folder = run_dir / job.cluster.folder
-    return GpujobsSlurmExecutor(folder, job, job_command(folder, run_dir=run_dir))
+    folder, command = _single(job, run_dir)
+    return GpujobsSlurmExecutor(folder, job, command)
 
 
-def keep_script(run_dir: Path, job: JobConfig) -> None:
-    """Write `submit.sbatch`: the script that runs this run dir alone, queued again by hand with sbatch."""
-    write_text_atomic(run_dir / SBATCH_FILE, single_executor(job, run_dir).script())
+def keep_script(run_dir: Path, job: JobConfig, batch: Optional[FsyncBatch] = None) -> None:
+    """Write `submit.sbatch`: the script that runs this run dir alone, queued again by hand with sbatch.
+
+    The text `single_executor(job, run_dir).script()` gives, without building an executor per point.
+    """
+    folder, command = _single(job, run_dir)
+    write_text_atomic(run_dir / SBATCH_FILE, render_sbatch(sbatch_request(job, folder, command)), batch)
 
 
 def submit_slurm(job: JobConfig, run_dir: Path) -> Any:

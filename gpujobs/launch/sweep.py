@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from gpujobs.atomic import write_json_atomic, write_text_atomic
+from gpujobs.atomic import fsync_batch, write_json_atomic, write_text_atomic
 from gpujobs.config import JobConfig
 from gpujobs.launch import preflight
 from gpujobs.launch.rundir import discard_if_empty, write_config
@@ -172,30 +172,34 @@ def array_executor(points: list[Point], folder: Path) -> tuple[Any, Path]:
 def submit_arrays(points: list[Point], folder: Path, *, dry_run: bool = False) -> list[Outcome]:
     """Queue `points` as few job arrays as the headers and MaxArraySize allow; one sbatch per array."""
     from gpujobs.launch.preflight import max_array_size
+
+    arrays = [chunk for group in header_groups(points, folder) for chunk in chunks(group, max_array_size())]
+    if dry_run:
+        for chunk in arrays:
+            print(array_executor(chunk, folder)[0].script(), end="")
+        return []
+    folder.mkdir(parents=True, exist_ok=True)
+    return [outcome for chunk in arrays for outcome in _queue_array(chunk, folder)]
+
+
+def _queue_array(points: list[Point], folder: Path) -> list[Outcome]:
+    """Write the points' run dirs, queue them as one array, record each point's job id."""
     from gpujobs.launch.rundir import record_submission
     from gpujobs.launch.slurm import keep_script
 
-    limit = max_array_size()
-    outcomes: list[Outcome] = []
-    for group in header_groups(points, folder):
-        for chunk in chunks(group, limit):
-            executor, points_file = array_executor(chunk, folder)
-            if dry_run:
-                print(executor.script(), end="")
-                continue
-            folder.mkdir(parents=True, exist_ok=True)
-            for point in chunk:
-                write_config(point.run_dir, point.job)
-                keep_script(point.run_dir, point.job)
-            write_text_atomic(points_file, "".join(f"{p.run_dir}\n" for p in chunk))  # as named
-            sjobs = executor.submit_script(len(chunk))
-            for point, sjob in zip(chunk, sjobs, strict=True):
-                record_submission(point.run_dir, sjob.job_id, folder)
-                outcomes.append(Outcome(point, 0, job_id=sjob.job_id, handle=sjob))
-            array_id = sjobs[0].job_id.split("_")[0]
-            print(f"gpujobs: submitted Slurm job array {array_id} ({len(chunk)} points, --array={executor.array}); "
-                  f"sweep dir {folder.parent}", flush=True)
-    return outcomes
+    executor, points_file = array_executor(points, folder)
+    with fsync_batch() as batch:  # every file durable before sbatch, in one pass of fsyncs
+        for point in points:
+            write_config(point.run_dir, point.job, batch)
+            keep_script(point.run_dir, point.job, batch)
+        write_text_atomic(points_file, "".join(f"{p.run_dir}\n" for p in points), batch)  # as named
+    sjobs = executor.submit_script(len(points))
+    queued = [Outcome(point, 0, job_id=sjob.job_id, handle=sjob) for point, sjob in zip(points, sjobs, strict=True)]
+    for outcome in queued:
+        record_submission(outcome.point.run_dir, str(outcome.job_id), folder)
+    print(f"gpujobs: submitted Slurm job array {sjobs[0].job_id.split('_')[0]} ({len(points)} points, "
+          f"--array={executor.array}); sweep dir {folder.parent}", flush=True)
+    return queued
 
 
 def wait_for(outcomes: list[Outcome]) -> None:

@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 import torch
 
-from gpujobs.atomic import fsync_dir, write_json_atomic
+from gpujobs.atomic import fsync_path, write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +128,7 @@ class CheckpointManager:
             final = self.path_for(step)
             if final.exists():  # an incomplete leftover (no marker) of an earlier attempt
                 shutil.rmtree(final)
-            fsync_dir(tmp)
+            fsync_path(tmp)
             os.replace(tmp, final)
             write_json_atomic(final / MARKER, {"step": step, "time": time.time()})
         except OSError as err:

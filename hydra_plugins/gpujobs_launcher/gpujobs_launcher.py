@@ -20,7 +20,9 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.core.utils import JobReturn, JobStatus, configure_log, filter_overrides, run_job, setup_globals
 from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
-from omegaconf import DictConfig, OmegaConf, open_dict, read_write
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from hydra_plugins.gpujobs_launcher.gpujobs_sweeper import set_values
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +75,7 @@ class GpujobsLauncher(Launcher):
             output_dir = os.path.join(str(OmegaConf.select(full, "hydra.sweep.dir")),
                                       str(OmegaConf.select(full, "hydra.sweep.subdir")))
             hydra: Any = HydraConfig.get()  # a DictConfig (the point's `hydra` node)
-            with read_write(hydra.runtime), open_dict(hydra.runtime):
-                hydra.runtime.output_dir = os.path.abspath(output_dir)
+            set_values(hydra, {"runtime.output_dir": os.path.abspath(output_dir)})
             value = self.task_function(task)
             runs.append(JobReturn(overrides=list(hydra.overrides.task), working_dir=os.getcwd(),
                                   status=JobStatus.COMPLETED, _return_value=value))
