@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -245,6 +246,27 @@ def test_sweeper_derived_configs_match_composing_every_point(tmp_path: Path, slu
     assert runs["gpujobs"] == runs["basic"]
 
 
+@pytest.mark.slurm
+def test_sweeper_params_reach_every_derived_point(tmp_path: Path, slurm: dict[str, str]) -> None:
+    """`hydra.sweeper.params` from a config: its plain values are not in the sweep's own composition (made
+    from the command line), so every derived point sets them, as composing the point would."""
+    extra = tmp_path / "conf" / "experiment"
+    extra.mkdir(parents=True)
+    (extra / "swept.yaml").write_text("# @package _global_\ndefaults:\n  - rec\n"
+                                      "hydra:\n  sweeper:\n    params:\n      optim.lr: '0.5'\n"
+                                      "      trainer.seed: 1,2\n")
+    runs = {}
+    for sweeper in ("gpujobs", "basic"):
+        sweep_dir = tmp_path / sweeper
+        proc = sweep(sweep_dir, f"hydra.searchpath=[file://{tmp_path / 'conf'}]", "+experiment=swept", *TINY[1:],
+                     f"hydra/sweeper={sweeper}", env=slurm)
+        subprocess.run(["scancel", array_of(proc.stdout)], env={**os.environ, **slurm}, check=False)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        runs[sweeper] = {p.name: (p / "config.yaml").read_text() for p in sweep_dir.iterdir() if p.name.isdigit()}
+    assert "  lr: 0.5\n" in runs["gpujobs"]["1"] and "  seed: 2\n" in runs["gpujobs"]["1"]
+    assert runs["gpujobs"] == runs["basic"]
+
+
 @pytest.mark.parametrize("sweeper", ["gpujobs", "basic"])
 def test_adding_a_key_that_exists_fails_as_composition_does(tmp_path: Path, sweeper: str) -> None:
     """The derived points apply `+key=` as Hydra would at each point: where the key exists, it fails."""
@@ -253,6 +275,21 @@ def test_adding_a_key_that_exists_fails_as_composition_does(tmp_path: Path, swee
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "Could not append to config. An item is already at 'trainer.seed'" in proc.stderr
     assert not (tmp_path / "sweep" / "0").exists()
+
+
+@pytest.mark.parametrize("sweeper", ["gpujobs", "basic"])
+def test_a_group_left_missing_fails_as_composition_does(tmp_path: Path, sweeper: str) -> None:
+    """A defaults entry left `???` is skipped by the sweep's composition but refused by a point's."""
+    conf = tmp_path / "conf"
+    shutil.copytree(REPO / "conf", conf)
+    (conf / "extra").mkdir()
+    (conf / "extra" / "a.yaml").write_text("foo: 1\n")
+    primary = (conf / "config.yaml").read_text()
+    (conf / "config.yaml").write_text(primary.replace("  - data: synthetic\n", "  - data: synthetic\n  - extra: ???\n"))
+    proc = sweep(tmp_path / "sweep", "+experiment=rec", "cluster=local", f"hydra/sweeper={sweeper}",
+                 "trainer.seed=1,2", env={"GPUJOBS_CONFIG_DIR": str(conf)})
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "You must specify 'extra'" in proc.stderr
 
 
 @pytest.mark.slurm

@@ -4,17 +4,19 @@ Hydra's basic sweeper composes every point to check the batch, then the launcher
 again: about 0.1 s a point, twice. When the task is gpujobs' own (`gpujobs.submit`), the launcher is the
 gpujobs launcher, and the sweep only varies plain values (`optim.lr=1e-3,3e-3`, `trainer.seed=range(0,100)`),
 this sweeper derives every point in turn (`DerivedPoints`, one config changed in place) from the config
-Hydra has already composed for the sweep, with every override but the swept ones, applying the point's
-swept overrides with Hydra's own override code: what composition would have done, since config overrides
-are applied after the defaults list, in order, and no other override touches a swept key. Each point's
+Hydra has already composed for the sweep from the command line less its swept overrides, applying the
+point's swept overrides (and the sweeper's `params`) with Hydra's own override code: what composition
+would have done, since config overrides are applied after the defaults list, in order, and no other
+override touches a key the points set. Each point's
 `hydra.overrides.task`, `hydra.job.override_dirname`, `hydra.job.num` and `hydra.job.id` are set as Hydra
 sets them, in the config and in `HydraConfig`, so `${hydra:...}` interpolations and the sweep subdir
 resolve the same. The launcher then plans and queues the points (`GpujobsLauncher.launch_derived`); the
 task must carry `gpujobs.launch.sweep.PLANS_SWEEP_POINTS`.
 
 Anything else takes the basic sweeper's path unchanged: swept config groups (`model=a,b`), `~` deletes,
-dict or list values, swept keys that another override also touches, `max_batch_size`, Hydra callbacks,
-`hydra.job.chdir`, `hydra.job.env_set`, `hydra.output_subdir`, another launcher or another task.
+dict or list values, swept keys that another override also touches, a config group left `???`,
+`max_batch_size`, Hydra callbacks, `hydra.job.chdir`, `hydra.job.env_set`, `hydra.output_subdir`, another
+launcher or another task.
 """
 
 from __future__ import annotations
@@ -39,6 +41,11 @@ def _overlaps(key: str, other: str) -> bool:
     return key == other or other.startswith(key + ".") or key.startswith(other + ".")
 
 
+def _elements(override: Override) -> list[Any]:
+    """The values a (discrete) override takes."""
+    return list(override.sweep_iterator()) if override.is_sweep_override() else [override.value()]
+
+
 class GpujobsSweeper(basic_sweeper.BasicSweeper):
     """Basic sweeper with a compose-once path for gpujobs value sweeps (see the module docstring)."""
 
@@ -53,20 +60,23 @@ class GpujobsSweeper(basic_sweeper.BasicSweeper):
 
     def sweep(self, arguments: list[str]) -> Any:
         """Derive and launch the points in one go where that is exact; otherwise sweep as the basic sweeper."""
-        parsed = self._derivable(arguments)
-        if parsed is None:
+        derivable = self._derivable(arguments)
+        if derivable is None:
             return super().sweep(arguments)
+        parsed, applied = derivable
         assert self.config is not None and self.hydra_context is not None
         batch = self.split_arguments(parsed, None)[0]
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         sweep_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
-        points = self._derive(batch, {o.key_or_group for o in parsed if o.is_sweep_override()})
+        points = self._derive(batch, applied)
         launcher: Any = self.launcher
         return [launcher.launch_derived(batch, points)]
 
-    def _derivable(self, arguments: list[str]) -> Optional[list[Override]]:
-        """The parsed overrides when every point can be derived from one composition, else None."""
+    def _derivable(self, arguments: list[str]) -> Optional[tuple[list[Override], set[str]]]:
+        """The parsed overrides and the keys each point sets, when every point derives from the sweep's
+        composition; else None. A point sets its swept keys and the keys of the sweeper's `params`, which
+        the sweep's composition (of the command line) lacks."""
         from gpujobs.launch.sweep import PLANS_SWEEP_POINTS
         from hydra_plugins.gpujobs_launcher.gpujobs_launcher import GpujobsLauncher
 
@@ -82,30 +92,30 @@ class GpujobsSweeper(basic_sweeper.BasicSweeper):
             or hydra.job.env_set
             or hydra.output_subdir is not None
             or hydra.callbacks
-        ):
+            or any(OmegaConf.is_missing(hydra.runtime.choices, group) for group in hydra.runtime.choices)
+        ):  # (a group left `???`: the sweep's composition skipped it, a point's composition refuses it)
             return None
-        params = [f"{k}={v}" for k, v in self.params.items()] + list(arguments)
-        parsed = OverridesParser.create(config_loader=self.hydra_context.config_loader).parse_overrides(params)
+        lines = [f"{k}={v}" for k, v in self.params.items()] + list(arguments)
+        parsed = OverridesParser.create(config_loader=self.hydra_context.config_loader).parse_overrides(lines)
         values = [o for o in parsed if o.package is None and not repository.group_exists(o.key_or_group)]
-        for override in parsed:
-            if not override.is_sweep_override():
-                continue
+        applied = [o for num, o in enumerate(parsed) if num < len(self.params) or o.is_sweep_override()]
+        for override in applied:
             if (
                 override not in values
                 or override.is_hydra_override()
-                or not override.is_discrete_sweep()
+                or (override.is_sweep_override() and not override.is_discrete_sweep())
                 or override.type not in (OverrideType.CHANGE, OverrideType.ADD, OverrideType.FORCE_ADD)
-                or any(isinstance(v, (dict, list)) for v in override.sweep_iterator())
+                or any(isinstance(v, (dict, list)) for v in _elements(override))
                 or any(o is not override and _overlaps(override.key_or_group, o.key_or_group) for o in values)
             ):
                 return None
-        return parsed
+        return parsed, {o.key_or_group for o in applied}
 
-    def _derive(self, batch: Sequence[Sequence[str]], swept: set[str]) -> DerivedPoints:
+    def _derive(self, batch: Sequence[Sequence[str]], applied: set[str]) -> DerivedPoints:
         """Every point derived from the sweep's own composition, and checked, as composing it would have.
 
-        Hydra composes the sweep's config with every override but the swept ones (`self.config`); a
-        point's composition differs from it only in the swept keys, set after the defaults list, and in
+        Hydra composes the sweep's config from the command line less its swept overrides (`self.config`);
+        a point's composition differs from it only in the `applied` keys, set after the defaults list, and in
         the fields of `hydra` that name the point (its task overrides, `override_dirname`, number).
         """
         assert self.config is not None and self.hydra_context is not None
@@ -113,7 +123,7 @@ class GpujobsSweeper(basic_sweeper.BasicSweeper):
         parsed: dict[str, Override] = {}  # the points share most of their override lines: parse each once
         for line in {line for overrides in batch for line in overrides}:
             parsed[line] = parser.parse_overrides([line])[0]
-        points = DerivedPoints(self.config, [[parsed[line] for line in overrides] for overrides in batch], swept)
+        points = DerivedPoints(self.config, [[parsed[line] for line in overrides] for overrides in batch], applied)
         points.check()  # as the basic sweeper's check of the batch
         return points
 
@@ -124,13 +134,13 @@ class DerivedPoints:
     While a point is current, `HydraConfig` holds its `hydra` node, as `run_job` would have set it.
     """
 
-    def __init__(self, sweep_config: DictConfig, batch: list[list[Override]], swept: set[str]) -> None:
+    def __init__(self, sweep_config: DictConfig, batch: list[list[Override]], applied: set[str]) -> None:
         self.full = copy.deepcopy(sweep_config)
         self.task = copy.deepcopy(sweep_config)  # what `run_job` hands the task: the config less its hydra node
         with read_write(self.task), open_dict(self.task):
             del self.task["hydra"]
         self.batch = batch
-        self.swept = swept
+        self.applied = applied  # the keys each point sets
         self.added: set[str] = set()
 
     def __len__(self) -> int:
@@ -164,7 +174,7 @@ class DerivedPoints:
             yield self.full, self.task
 
     def _apply(self, parsed: list[Override]) -> None:
-        changed = [copy.copy(o) for o in parsed if o.key_or_group in self.swept]
+        changed = [copy.copy(o) for o in parsed if o.key_or_group in self.applied]
         for override in changed:
             # `+key=v` adds the key at the first point (and, where it exists already, fails as Hydra's would);
             # the later points set the key it added
