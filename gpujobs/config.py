@@ -366,10 +366,8 @@ class JobConfig:
 
 
 _schemas: dict[type[Any], DictConfig] = {}
-_NO_FIT: Any = object()  # what `_exact` returns for a value it cannot take as it is
-
-
 _field_types: dict[type[Any], dict[str, tuple[Any, bool]]] = {}
+_NO_FIT: Any = object()  # what `_exact` returns for a value it cannot take as it is
 
 
 def _fields(schema: type[Any]) -> dict[str, tuple[Any, bool]]:

@@ -67,3 +67,14 @@ print("NO-TORCH-OK")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "NO-TORCH-OK" in proc.stdout
     assert (tmp_path / "run" / "result.json").is_file()
+
+
+@pytest.mark.parametrize("experiment", sorted(p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml")))
+def test_shipped_configs_leave_hydra_mode_unset(experiment: str) -> None:
+    """`gpujobs.submit -m` skips Hydra's composition that only reads `hydra.mode`, answering "not set": true of
+    every config shipped here (a config that sets it would still sweep, only without Hydra's warning)."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[f"+experiment={experiment}"], return_hydra_config=True)
+    assert cfg.hydra.mode is None

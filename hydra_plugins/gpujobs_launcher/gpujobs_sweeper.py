@@ -2,16 +2,16 @@
 
 Hydra's basic sweeper composes every point to check the batch, then the launcher composes every point
 again: about 0.1 s a point, twice. When the task is gpujobs' own (`gpujobs.submit`), the launcher is the
-gpujobs launcher, and the sweep only varies plain values (`optim.lr=1e-3,3e-3`, `trainer.seed=range(0,100)`),
-this sweeper derives every point in turn (`DerivedPoints`, one config changed in place) from the config
-Hydra has already composed for the sweep from the command line less its swept overrides, applying the
-point's swept overrides (and the sweeper's `params`) with Hydra's own override code: what composition
-would have done, since config overrides are applied after the defaults list, in order, and no other
-override touches a key the points set. Each point's
-`hydra.overrides.task`, `hydra.job.override_dirname`, `hydra.job.num` and `hydra.job.id` are set as Hydra
-sets them, in the config and in `HydraConfig`, so `${hydra:...}` interpolations and the sweep subdir
-resolve the same. The launcher then plans and queues the points (`GpujobsLauncher.launch_derived`); the
-task must carry `gpujobs.launch.sweep.PLANS_SWEEP_POINTS`.
+gpujobs launcher, and the sweep only varies plain values (`optim.lr=1e-3,3e-3`,
+`trainer.seed=range(0,100)`), this sweeper derives every point in turn (`DerivedPoints`, one config
+changed in place) from the config Hydra has already composed for the sweep from the command line less its
+swept overrides, applying the point's swept overrides (and the sweeper's `params`) with Hydra's own
+override code: what composition would have done, since config overrides are applied after the defaults
+list, in order, and no other override touches a key the points set. Each point's `hydra.overrides.task`,
+`hydra.job.override_dirname`, `hydra.job.num` and `hydra.job.id` are set as Hydra sets them, in the config
+and in `HydraConfig`, so `${hydra:...}` interpolations and the sweep subdir resolve the same. The launcher
+then plans and queues the points (`GpujobsLauncher.launch_derived`); the task must carry
+`gpujobs.launch.sweep.PLANS_SWEEP_POINTS`.
 
 Anything else takes the basic sweeper's path unchanged: swept config groups (`model=a,b`), `~` deletes,
 dict or list values, swept keys that another override also touches, a config group left `???`,
