@@ -7,7 +7,6 @@ import itertools
 import math
 import subprocess
 import sys
-import time
 import zlib
 from pathlib import Path
 
@@ -92,11 +91,8 @@ def test_synthetic_log_is_a_function_of_its_config() -> None:
     assert not torch.equal(first.train.sparse, other.train.sparse)
 
 
-def test_default_synthetic_log_is_realistic_and_quick() -> None:
-    start = time.perf_counter()
+def test_default_synthetic_log_is_realistic() -> None:
     log = generate_clicks(SyntheticClicksConfig())
-    seconds = time.perf_counter() - start
-    assert seconds < 4.0  # about 0.2 s here; generous so a busy machine does not fail it
     assert 0.70 <= log.oracle_auc <= 0.90
     assert 0.10 <= float(log.train.label.mean()) <= 0.30
     assert log.train.num_rows == 200_000 and log.eval.num_rows == 50_000

@@ -9,7 +9,6 @@ import json
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -54,16 +53,14 @@ def test_submit_returns_once_queued_and_keeps_the_exact_script(tmp_path: Path, s
     """In-process, so the test can also check that the submit side never imported torch."""
     run_dir = tmp_path / "run"
     code = f"""
-import sys, time
+import sys
 sys.argv = ["gpujobs.submit", "hydra.run.dir={run_dir}", "+experiment=rec", "+debug=tiny", "cluster=slurm",
             "trainer.max_steps=60"]
 from gpujobs.submit import main
-start = time.perf_counter()
 try:
     main()
 except SystemExit as exit_:
     assert exit_.code in (0, None), exit_.code
-print("SUBMIT_S", time.perf_counter() - start)
 assert "torch" not in sys.modules
 """
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
@@ -103,11 +100,9 @@ def test_torchrun_style_script_on_two_nodes(run_dir: Path, slurm: dict[str, str]
 def test_preflight_refuses_before_queueing(
     run_dir: Path, slurm: dict[str, str], overrides: tuple[str, ...], message: str
 ) -> None:
-    start = time.perf_counter()
     proc = submit(run_dir, *TINY, *overrides, env=slurm)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and message in lines[0], proc.stderr
     assert "submitted" not in proc.stdout
     assert not run_dir.exists()
-    assert time.perf_counter() - start < 30

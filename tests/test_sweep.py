@@ -12,7 +12,6 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -214,15 +213,12 @@ def test_hundred_points_are_queued_with_one_sbatch(tmp_path: Path, slurm: dict[s
     (bin_dir / "sbatch").write_text(f'#!/bin/sh\necho "$@" >> {calls}\nexec {real} "$@"\n')
     (bin_dir / "sbatch").chmod(0o755)
     env = {**slurm, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
-    start = time.perf_counter()
     proc = sweep(tmp_path / "sweep", *TINY, "cluster.array_parallelism=1", "trainer.seed=range(0,100)", env=env)
-    elapsed = time.perf_counter() - start
     array = array_of(proc.stdout) if proc.returncode == 0 else ""
     subprocess.run(["scancel", array], env={**os.environ, **slurm}, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert len(calls.read_text().splitlines()) == 1
     assert "#SBATCH --array=0-99%1" in (tmp_path / "sweep" / "submitit" / f"{array}_submission.sh").read_text()
-    assert elapsed < 30, elapsed
 
 
 @pytest.mark.slurm
