@@ -26,6 +26,14 @@ def compose_job(*overrides: str) -> JobConfig:
     return load_config(cfg)
 
 
+def assert_golden(text: str, name: str) -> None:
+    """`text` equals `tests/golden/<name>`; GPUJOBS_UPDATE_GOLDEN=1 rewrites the file instead."""
+    golden = Path(__file__).parent / "golden" / name
+    if os.environ.get("GPUJOBS_UPDATE_GOLDEN"):
+        golden.write_text(text)
+    assert text == golden.read_text()
+
+
 def submit(
     run_dir: Path, *overrides: str, timeout: float = 240, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:

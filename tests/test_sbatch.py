@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import os
 import shlex
 from pathlib import Path
 
 import pytest
-from conftest import compose_job
+from conftest import assert_golden, compose_job
 
 from gpujobs.launch.sbatch import render_sbatch, sbatch_request
 
-GOLDEN = Path(__file__).parent / "golden"
 COMMAND = "/venv/bin/python -u -m submitit.core._submit /runs/rec/submitit"
 
 
@@ -22,10 +20,7 @@ def test_two_node_ethernet_job_matches_the_golden_file() -> None:
         "resources.gpus_per_node=3", "resources.cpus_per_task=8", "resources.mem_gb=64", "nccl=ethernet",
     )
     text = render_sbatch(sbatch_request(job, Path("/runs/rec/submitit"), COMMAND))
-    golden = GOLDEN / "rec_2nodes_3gpus.sbatch"
-    if os.environ.get("GPUJOBS_UPDATE_GOLDEN"):
-        golden.write_text(text)
-    assert text == golden.read_text()
+    assert_golden(text, "rec_2nodes_3gpus.sbatch")
 
 
 def test_hostile_paths_are_quoted() -> None:

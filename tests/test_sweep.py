@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, compose_job, read_result, sacct_state, submit
+from conftest import REPO, assert_golden, compose_job, read_result, sacct_state, submit
 from omegaconf import OmegaConf
 
 from gpujobs.launch.manage import parse_sacct
@@ -23,7 +23,6 @@ from gpujobs.launch.rundir import config_yaml
 from gpujobs.launch.sbatch import render_sbatch, sbatch_request
 from gpujobs.launch.sweep import Point, array_spec, chunks, header_groups
 
-GOLDEN = Path(__file__).parent / "golden"
 TINY = ("+experiment=rec", "+debug=tiny", "cluster=slurm", "resources.procs_per_node=1")
 GOOD, BAD = "task=jobs.rec.task:build_task", "task=jobs.rec.task:no_such_builder"  # BAD fails in the job
 
@@ -61,10 +60,7 @@ def test_array_script_matches_the_golden_file() -> None:
     folder = Path("/runs/rec/sweep/submitit")
     command = "/venv/bin/python -u -m gpujobs.run.start --folder /runs/rec/sweep/submitit --points /runs/p.txt"
     text = render_sbatch(sbatch_request(job, folder, command, array=array_spec(6, 2)))
-    golden = GOLDEN / "rec_array_6x2.sbatch"
-    if os.environ.get("GPUJOBS_UPDATE_GOLDEN"):
-        golden.write_text(text)
-    assert text == golden.read_text()
+    assert_golden(text, "rec_array_6x2.sbatch")
 
 
 def test_config_yaml_writes_what_omegaconf_writes() -> None:
