@@ -80,13 +80,14 @@ def test_preempted_by_a_higher_priority_job(tmp_path: Path, slurm: dict[str, str
 
 def test_time_limit_requeues_until_done(tmp_path: Path, slurm: dict[str, str], reference_digest: str) -> None:
     run_dir = tmp_path / "run"
-    # 200 steps x 120 ms = 24 s of training in 1-minute allocations that get USR2 30 s before their end
-    # (Slurm checks limits about every 30 s, so the signal comes 0-30 s into each attempt).
+    # slurmctld checks time limits every 30 s and sends the --signal at the first check that finds less
+    # than lead + 30 s left: with a 1-minute limit and a 10 s lead, 20-50 s into each attempt (after
+    # startup, so the handler is in place). 200 steps x 260 ms = 52 s of training cannot fit in one attempt.
     job = RunningJob(
-        run_dir, *ON_SLURM, "telemetry.debug_slow_ms=120", "cluster.time=1", "cluster.signal_lead_s=30",
+        run_dir, *ON_SLURM, "telemetry.debug_slow_ms=260", "cluster.time=1", "cluster.signal_lead_s=10",
         "cluster.max_timeouts=8", env=slurm,
     )
-    assert job.wait(timeout=420) == 0, job.output()
+    assert job.wait(timeout=480) == 0, job.output()
     story = check_story(run_dir, "timeout")
     assert {line["reason"] for line in story[:-1]} == {"timeout"}
     assert read_result(run_dir)["param_digest"] == reference_digest
