@@ -25,6 +25,9 @@ CLUSTERS = ("auto", "local", "debug", "slurm")
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 _NAME_LIST = re.compile(r"^[A-Za-z0-9_.,\[\]-]+$")
 _TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d{1,2}))?(?::(\d{1,2}))?$")
+#: slurmctld checks time limits every 30 s and sends a job's --signal at the first check that finds
+#: less than the lead + 30 s left, so the signal may come up to 30 s before the lead.
+SLURM_LIMIT_CHECK_S = 30
 
 
 def parse_time_minutes(text: str) -> int:
@@ -102,6 +105,15 @@ class ClusterConfig:
             raise ConfigError("time", self.time, err.allowed) from None
         if self.signal_lead_s < 0:
             raise ConfigError("signal_lead_s", self.signal_lead_s, "an integer >= 0")
+        limit_s = self.timeout_min * 60
+        if self.signal_lead_s + SLURM_LIMIT_CHECK_S >= limit_s:
+            # slurmctld sends --signal at its first limit check with less than lead + 30 s left: a longer
+            # lead would stop every attempt as it starts and spend the time-limit budget on nothing
+            raise ConfigError(
+                "signal_lead_s", self.signal_lead_s,
+                f"below {limit_s - SLURM_LIMIT_CHECK_S} s with time={self.time} (the time limit less the "
+                f"{SLURM_LIMIT_CHECK_S} s by which Slurm may send the signal early)",
+            )
         for key in ("max_restarts", "max_preemptions", "max_timeouts"):
             if getattr(self, key) < 0:
                 raise ConfigError(key, getattr(self, key), "an integer >= 0")

@@ -39,6 +39,7 @@ def test_rec_experiment_composes_to_two_cpu_ranks() -> None:
         ("cluster.time=abc", "cluster.time", "HH:MM:SS"),
         ("cluster.time=01:99:00", "cluster.time", "below 60"),
         ("cluster.time=0", "cluster.time", "positive"),
+        ("cluster.time=2", "cluster.signal_lead_s", "below 90 s with time=2"),  # default lead 120 s
         ("cluster.name=moon", "cluster.name", "local, debug, slurm"),
         ("cluster.partition='gpu;rm -rf /'", "cluster.partition", "no spaces or shell characters"),
         ("name='my job'", "name", "no spaces or shell characters"),
