@@ -6,6 +6,7 @@ config (CPU, deterministic settings).
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from pathlib import Path
@@ -13,6 +14,8 @@ from pathlib import Path
 import pytest
 from conftest import read_result, submit
 from jobctl import RunningJob, attempts
+
+from gpujobs.run.preemption import PreemptionWatcher, catch_early
 
 # 60 slowed steps (~3 s): long enough to interrupt mid-run, short enough for CI.
 SLOW = (
@@ -43,6 +46,22 @@ def test_usr2_to_one_rank_stops_all_at_the_same_step_and_loses_nothing(tmp_path:
     assert second["start_step"] == first["steps_done"]  # zero steps redone
     assert second["resumed_from"] == first["saved"]
     assert read_result(run_dir)["param_digest"] == straight_digest
+
+
+def test_usr2_while_a_rank_starts_is_kept_for_its_watcher() -> None:
+    previous = signal.getsignal(signal.SIGUSR2)
+    try:
+        catch_early()
+        sent = time.time()
+        os.kill(os.getpid(), signal.SIGUSR2)  # a real signal, before any watcher exists
+        watcher = PreemptionWatcher().install()
+        assert watcher.flagged and watcher.flagged_at is not None and sent <= watcher.flagged_at <= time.time()
+        watcher.uninstall()
+        later = PreemptionWatcher().install()  # the early signal was handed over once, not kept
+        assert not later.flagged
+        later.uninstall()
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
 
 
 def test_killed_rank_restarts_from_the_checkpoint(tmp_path: Path, straight_digest: str) -> None:

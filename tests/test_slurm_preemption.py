@@ -6,7 +6,9 @@ from __future__ import annotations
 import itertools
 import os
 import re
+import signal
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +40,30 @@ def slurm_job_id(job: RunningJob) -> str:
     return found[0]
 
 
+def slurm_rank_pids(job_id: str) -> dict[int, int]:
+    """rank → pid of the job's ranks (`python -m gpujobs.run.start`; this cluster's nodes are this machine)."""
+    ranks = {}
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            args = (proc / "cmdline").read_bytes().split(b"\0")
+            if not (Path(args[0].decode()).name.startswith("python") and b"gpujobs.run.start" in args):
+                continue
+            environ = dict(item.split(b"=", 1) for item in (proc / "environ").read_bytes().split(b"\0") if b"=" in item)
+        except (OSError, IndexError, UnicodeDecodeError):
+            continue
+        if environ.get(b"SLURM_JOB_ID") == job_id.encode() and b"SLURM_PROCID" in environ:
+            ranks[int(environ[b"SLURM_PROCID"])] = int(proc.name)
+    return ranks
+
+
+def catches(pid: int, signum: int) -> bool:
+    """Whether process `pid` has a handler for `signum` (its SigCgt mask in /proc)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    return False
+
+
 def check_story(run_dir: Path, reason: str) -> list[dict[str, Any]]:
     story = attempts(run_dir)
     assert story[0]["reason"] == reason and story[0]["requeue"] is True, story
@@ -60,6 +86,34 @@ def test_usr2_requeues_and_resumes_exactly(tmp_path: Path, slurm: dict[str, str]
     assert story[0]["job_id"] == job_id
     assert read_result(run_dir)["param_digest"] == reference_digest
     assert sacct_state(job_id, slurm) == "COMPLETED"
+
+
+def test_usr2_while_the_ranks_start_is_not_lost(tmp_path: Path, slurm: dict[str, str], reference_digest: str) -> None:
+    # Each rank gets USR2 as soon as it has any handler for it, long before torch is loaded and the
+    # trainer's watcher exists: the first handler must be gpujobs' own, not submitit's (which would
+    # requeue the job outside the budgets, leaving no attempt behind).
+    run_dir = tmp_path / "run"
+    job = RunningJob(run_dir, *ON_SLURM, "telemetry.debug_slow_ms=40", env=slurm)
+    deadline = time.monotonic() + 120
+    while not re.search(r"submitted Slurm job \d+", job.output()):
+        assert time.monotonic() < deadline and job.proc.poll() is None, job.output()
+        time.sleep(0.05)
+    job_id = slurm_job_id(job)
+    signalled: set[int] = set()
+    while len(signalled) < 2:
+        assert time.monotonic() < deadline, job.output()
+        for rank, pid in slurm_rank_pids(job_id).items():
+            try:
+                if rank not in signalled and catches(pid, signal.SIGUSR2):
+                    os.kill(pid, signal.SIGUSR2)
+                    signalled.add(rank)
+            except OSError:  # the process ended between two looks
+                continue
+        time.sleep(0.005)
+    assert job.wait(timeout=180) == 0, job.output()
+    story = check_story(run_dir, "preempted")
+    assert story[0]["start_step"] == 0 and story[0]["steps_done"] <= 10, story  # the first agreed boundary
+    assert read_result(run_dir)["param_digest"] == reference_digest
 
 
 def test_preempted_by_a_higher_priority_job(tmp_path: Path, slurm: dict[str, str], reference_digest: str) -> None:

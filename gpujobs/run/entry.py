@@ -41,6 +41,10 @@ class TrainJob:
     """Draw progress in this process (the in-process debug executor)."""
 
     def __call__(self) -> dict[str, Any]:
+        from gpujobs.run.preemption import EXIT_REQUEUED, PreemptionWatcher, classify_stop, record_attempt
+
+        watcher = PreemptionWatcher().install()  # first, before torch loads: a USR2 from now on is ours
+        started = time.time()
         import torch
 
         from gpujobs.atomic import write_json_atomic
@@ -48,12 +52,9 @@ class TrainJob:
         from gpujobs.run import distributed, jobenv
         from gpujobs.run.checkpoint import CheckpointManager
         from gpujobs.run.metrics import MetricsLog
-        from gpujobs.run.preemption import EXIT_REQUEUED, PreemptionWatcher, classify_stop, record_attempt
         from gpujobs.run.telemetry import Telemetry
         from gpujobs.run.trainer import Trainer, seed_everything
 
-        watcher = PreemptionWatcher().install()  # first: a USR2 from now on is ours to handle
-        started = time.time()
         logging.basicConfig(level=logging.INFO, format="[%(asctime)s][rank %(rank)s] %(message)s")
         info = jobenv.detect(self.master_port)
         _tag_log_records(info.rank)
@@ -65,6 +66,8 @@ class TrainJob:
         backend = distributed.init_process_group(info, job.nccl, job.trainer.pg_timeout_s)
         device = distributed.device_for(info)
         log.info("rank %d/%d on %s (%s, backend %s)", info.rank, info.world_size, info.node, device, backend)
+        if watcher.flagged:
+            log.warning("USR2 came while this rank was starting: it stops at the first agreed step boundary")
         log.info("NCCL environment: %s", {key: os.environ[key] for key in sorted(job.nccl.to_env())})
         if job.resources.gpus_per_node and device.type == "cpu":
             log.warning("GPUs were requested but CUDA is not available here: training on the CPU with gloo")

@@ -8,6 +8,12 @@ together and exit; rank 0 records the attempt and requeues the job. No step is l
 
 Data never comes from loader worker processes here (batches are built in the rank's own process), so
 no worker can die first or swallow the signal.
+
+A USR2 can also come while a rank is still starting (a preempting job arrives just then). The Slurm
+entry calls `catch_early` before anything slow, and the watcher adopts what it caught: until then the
+signal would go to submitit's handler, which requeues the job outside the attempt budgets, or, with no
+handler at all, kill the process. This module imports torch only when the ranks agree, so it is cheap
+to import that early.
 """
 
 from __future__ import annotations
@@ -20,9 +26,6 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, Optional
 
-import torch
-import torch.distributed as dist
-
 from gpujobs.attempts import AttemptLog, Decision, RequeuePolicy
 from gpujobs.config import JobConfig
 
@@ -32,6 +35,19 @@ log = logging.getLogger(__name__)
 EXIT_REQUEUED = 75
 # A USR2 this close to the time limit (beyond the signal lead) means the time limit, not preemption.
 _TIMEOUT_SLACK_S = 60
+
+
+# signal number → when it first came, for signals caught before any watcher was installed
+_EARLY: dict[int, float] = {}
+
+
+def catch_early(signum: int = signal.SIGUSR2) -> None:
+    """First thing in a rank's process: remember a `signum` that comes before the watcher is installed."""
+    signal.signal(signum, _remember_early)
+
+
+def _remember_early(signum: int, frame: Optional[FrameType]) -> None:
+    _EARLY.setdefault(signum, time.time())
 
 
 class PreemptionWatcher:
@@ -46,6 +62,9 @@ class PreemptionWatcher:
     def install(self) -> PreemptionWatcher:
         """Replace the signal's handler (submitit's own, in a submitit job) with ours."""
         self._previous = signal.signal(self.signum, self._handle)
+        early = _EARLY.pop(self.signum, None)
+        if early is not None:
+            self.flagged, self.flagged_at = True, early
         return self
 
     def uninstall(self) -> None:
@@ -61,6 +80,9 @@ class PreemptionWatcher:
 
     def should_stop(self) -> bool:
         """True on every rank once any rank got the signal (a collective: call it on all ranks)."""
+        import torch
+        import torch.distributed as dist
+
         if not dist.is_initialized():
             return self.flagged
         flag = torch.tensor([1 if self.flagged else 0], dtype=torch.int32)

@@ -27,6 +27,7 @@ from gpujobs.atomic import write_text_atomic
 from gpujobs.config import load_config
 from gpujobs.launch.rundir import CONFIG_FILE
 from gpujobs.run.entry import RESULT_FILE
+from gpujobs.run.preemption import catch_early
 
 RERUNS_DIR = "reruns"
 
@@ -63,6 +64,7 @@ def training_dir(run_dir: Path, job_id: str) -> Path:
 
 def main(argv: Optional[list[str]] = None) -> None:
     """Build this task's payload from its run dir and run it under submitit's job-side runner."""
+    catch_early()  # before anything slow: a USR2 while this rank starts is kept for the watcher
     parser = argparse.ArgumentParser(prog="python -m gpujobs.run.start", description=__doc__.splitlines()[0])
     parser.add_argument("--folder", type=Path, required=True, help="submitit folder: logs and result pickles")
     target = parser.add_mutually_exclusive_group(required=True)
