@@ -1,4 +1,7 @@
-"""Writes that matter are atomic: temp file, fsync, rename, fsync the directory (torch-free)."""
+"""Writes that matter are atomic: temp file, fsync, rename, fsync the directory (torch-free).
+
+JSON-lines files are read back whole lines only: a last line cut short by a crash is skipped.
+"""
 
 from __future__ import annotations
 
@@ -67,3 +70,16 @@ def write_text_atomic(path: Path, text: str, batch: Optional[FsyncBatch] = None)
 def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
     """`write_text_atomic` of indented, key-sorted JSON."""
     write_text_atomic(path, json.dumps(payload, indent=2, sort_keys=True) + "\n")
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """Every complete line of a JSON-lines file, oldest first ([] when it does not exist)."""
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:  # a line cut short by a crash: skip it
+            continue
+    return records

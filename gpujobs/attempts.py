@@ -13,9 +13,9 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
-from gpujobs.atomic import fsync_path
+from gpujobs.atomic import fsync_path, read_jsonl
 from gpujobs.config import ClusterConfig
 
 ATTEMPTS_FILE = "attempts.jsonl"
@@ -61,15 +61,15 @@ class AttemptLog:
 
     def read(self) -> list[dict[str, Any]]:
         """All complete lines, oldest first (a torn last line from a crash is ignored)."""
-        if not self.path.exists():
-            return []
-        lines = []
-        for text in self.path.read_text().splitlines():
-            try:
-                lines.append(json.loads(text))
-            except json.JSONDecodeError:
-                continue
-        return lines
+        return read_jsonl(self.path)
+
+    def record(self, cluster: ClusterConfig, record: dict[str, Any]) -> tuple[int, Decision]:
+        """Decide whether another attempt may follow the one that just ended, and write its line;
+        returns the attempt's number and the decision."""
+        history = self.read()
+        decision = RequeuePolicy.of(cluster).decide(history, record["reason"])
+        self.append({"attempt": len(history) + 1, **record, "requeue": decision.requeue, "why": decision.why})
+        return len(history) + 1, decision
 
     def append(self, record: dict[str, Any]) -> None:
         """Add one attempt's line, durably."""
@@ -79,8 +79,3 @@ class AttemptLog:
             handle.flush()
             os.fsync(handle.fileno())
         fsync_path(self.path.parent)
-
-    def last(self) -> Optional[dict[str, Any]]:
-        """The newest line, if any."""
-        lines = self.read()
-        return lines[-1] if lines else None

@@ -14,20 +14,11 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
+from gpujobs.atomic import read_jsonl
+from gpujobs.run.entry import METRICS_FILE, RESULT_FILE
+from gpujobs.run.gpu_sampler import GPU_FILE
+
 REPORT_DIR = "report"
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """Every complete line of a JSON-lines file ([] when it does not exist)."""
-    if not path.exists():
-        return []
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:  # a line cut short by a crash: skip it
-            continue
-    return records
 
 
 def summarize(metrics: list[dict[str, Any]], gpus: list[dict[str, Any]], result: dict[str, Any]) -> list[str]:
@@ -139,11 +130,11 @@ def plot(metrics: list[dict[str, Any]], gpus: list[dict[str, Any]], out: Path) -
 
 def report(run_dir: Path) -> list[str]:
     """Plot the run into RUN_DIR/report/ and return the summary lines."""
-    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    metrics = read_jsonl(run_dir / METRICS_FILE)
     if not metrics:
-        raise FileNotFoundError(f"{run_dir / 'metrics.jsonl'}: missing or empty (is this a gpujobs run dir?)")
-    gpus = read_jsonl(run_dir / "gpu.jsonl")
-    result_path = run_dir / "result.json"
+        raise FileNotFoundError(f"{run_dir / METRICS_FILE}: missing or empty (is this a gpujobs run dir?)")
+    gpus = read_jsonl(run_dir / GPU_FILE)
+    result_path = run_dir / RESULT_FILE
     result = json.loads(result_path.read_text()) if result_path.exists() else {"status": "running or failed"}
     written = plot(metrics, gpus, run_dir / REPORT_DIR)
     return [*summarize(metrics, gpus, result), "plots: " + ", ".join(str(p) for p in written)]

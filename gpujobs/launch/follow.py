@@ -68,8 +68,7 @@ class JobFollower:
             sjob.cancel()
             raise
         except (submitit.core.utils.FailedJobError, submitit.core.utils.UncompletedJobError) as err:
-            lines = [line for line in str(err).splitlines() if line.strip()]
-            return lines[-1] if lines else type(err).__name__
+            return failure_line(err)
         self.print_result()
         return None
 
@@ -82,3 +81,9 @@ class JobFollower:
         keys = ("status", "steps", "world_size", "auc", "oracle_auc", "samples_per_s")
         print("gpujobs: " + " ".join(f"{k}={result[k]}" for k in keys if k in result))
         print(f"gpujobs: result in {path}")
+
+
+def failure_line(err: Exception) -> str:
+    """The line of a submitit job failure that says why (its last), or the error's type."""
+    lines = [line for line in str(err).splitlines() if line.strip()]
+    return lines[-1] if lines else type(err).__name__

@@ -11,7 +11,7 @@ import itertools
 import socket
 from pathlib import Path
 
-from gpujobs.attempts import AttemptLog, Decision, RequeuePolicy
+from gpujobs.attempts import AttemptLog, Decision
 from gpujobs.config import JobConfig
 from gpujobs.errors import ConfigError
 from gpujobs.launch.follow import JobFollower
@@ -90,9 +90,5 @@ def _judge_attempt(job: JobConfig, attempts: AttemptLog, before: int, error: str
     if len(history) > before:
         last = history[-1]
         return last["reason"], Decision(bool(last.get("requeue")), str(last.get("why")))
-    decision = RequeuePolicy.of(job.cluster).decide(history, "failed")
-    attempts.append({
-        "attempt": len(history) + 1, "reason": "failed", "error": error, "recorded_by": "launcher",
-        "requeue": decision.requeue, "why": decision.why,
-    })
+    _, decision = attempts.record(job.cluster, {"reason": "failed", "error": error, "recorded_by": "launcher"})
     return "failed", decision

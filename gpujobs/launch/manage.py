@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 from gpujobs.attempts import AttemptLog
 from gpujobs.errors import GpujobsError
-from gpujobs.launch.rundir import CONFIG_FILE, read_submissions, record_cancel
+from gpujobs.launch.rundir import CONFIG_FILE, read_config, read_submissions, record_cancel
 from gpujobs.run.entry import METRICS_FILE, RESULT_FILE
 
 #: States after which a job will not run again by itself.
@@ -199,19 +199,13 @@ def resubmit(sweep_dir: Path, points: list[PointState], *, cancelled: bool = Fal
 
     Each resumes from its run dir's last complete checkpoint, as every start does. Returns those queued.
     """
-    from omegaconf import OmegaConf
-
-    from gpujobs.config import load_config
     from gpujobs.launch.sweep import ARRAY_FOLDER, Point, submit_arrays
 
     wanted = FAILED | ({"CANCELLED"} if cancelled else set())
     chosen = [p for p in points if p.state in wanted]
     if not chosen:
         return []
-    plan = [
-        Point(p.num or 0, p.overrides, load_config(OmegaConf.load(p.run_dir / CONFIG_FILE)), p.run_dir)  # type: ignore[arg-type]
-        for p in chosen
-    ]
+    plan = [Point(p.num or 0, p.overrides, read_config(p.run_dir), p.run_dir) for p in chosen]
     if chosen[0].num is None:  # a single run dir: one job again, as it was
         from gpujobs.launch.slurm import submit_slurm
 

@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 from omegaconf._utils import get_omega_conf_dumper
 
 from gpujobs.atomic import FsyncBatch, write_text_atomic
-from gpujobs.config import JobConfig
+from gpujobs.config import JobConfig, load_config
 
 CONFIG_FILE = "config.yaml"
 #: One line per Slurm submission of the run dir: its job id and where its logs go (status, logs, cancel).
@@ -70,6 +70,11 @@ def write_config(run_dir: Path, job: JobConfig, batch: Optional[FsyncBatch] = No
     return path
 
 
+def read_config(run_dir: Path) -> JobConfig:
+    """The validated config that `write_config` saved in `run_dir`."""
+    return load_config(OmegaConf.load(run_dir / CONFIG_FILE))  # type: ignore[arg-type]
+
+
 def discard_if_empty(run_dir: Path) -> None:
     """Remove a run dir that Hydra created for a config we then rejected."""
     with contextlib.suppress(OSError):  # not empty, or already gone: leave it
@@ -78,17 +83,18 @@ def discard_if_empty(run_dir: Path) -> None:
 
 def record_submission(run_dir: Path, job_id: str, log_folder: Path) -> None:
     """Append the job id that now runs `run_dir` (the last line is the current one)."""
-    line = json.dumps({"job_id": job_id, "logs": str(log_folder), "submitted": round(time.time(), 3)})
-    with open(run_dir / SUBMISSIONS_FILE, "a") as handle:
-        handle.write(line + "\n")
+    _append_submission(run_dir, {"job_id": job_id, "logs": str(log_folder), "submitted": round(time.time(), 3)})
 
 
 def record_cancel(run_dir: Path, job_id: str) -> None:
     """Note that `gpujobs cancel` cancelled `job_id`: Slurm keeps no record of an array task cancelled
     while it was pending, so without this note its state would be unknown."""
-    line = json.dumps({"job_id": job_id, "cancelled": round(time.time(), 3)})
+    _append_submission(run_dir, {"job_id": job_id, "cancelled": round(time.time(), 3)})
+
+
+def _append_submission(run_dir: Path, record: dict[str, Any]) -> None:
     with open(run_dir / SUBMISSIONS_FILE, "a") as handle:
-        handle.write(line + "\n")
+        handle.write(json.dumps(record) + "\n")
 
 
 def read_submissions(run_dir: Path) -> list[dict[str, Any]]:

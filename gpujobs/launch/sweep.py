@@ -173,7 +173,8 @@ def submit_arrays(points: list[Point], folder: Path, *, dry_run: bool = False) -
     """Queue `points` as few job arrays as the headers and MaxArraySize allow; one sbatch per array."""
     from gpujobs.launch.preflight import max_array_size
 
-    arrays = [chunk for group in header_groups(points, folder) for chunk in chunks(group, max_array_size())]
+    limit = max_array_size()  # one `scontrol show config` for the whole sweep
+    arrays = [chunk for group in header_groups(points, folder) for chunk in chunks(group, limit)]
     if dry_run:
         for chunk in arrays:
             print(array_executor(chunk, folder)[0].script(), end="")
@@ -209,6 +210,8 @@ def wait_for(outcomes: list[Outcome]) -> None:
     """
     import submitit
 
+    from gpujobs.launch.follow import failure_line
+
     pending = [o for o in outcomes if o.handle is not None]
     while pending:
         for outcome in [o for o in pending if o.handle.done()]:
@@ -216,8 +219,7 @@ def wait_for(outcomes: list[Outcome]) -> None:
             try:
                 outcome.handle.results()
             except (submitit.core.utils.FailedJobError, submitit.core.utils.UncompletedJobError) as err:
-                lines = [line for line in str(err).splitlines() if line.strip()]
-                outcome.code, outcome.error = 1, lines[-1] if lines else type(err).__name__
+                outcome.code, outcome.error = 1, failure_line(err)
         if pending:
             time.sleep(1.0)
 

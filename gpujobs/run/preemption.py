@@ -19,6 +19,7 @@ to import that early.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import subprocess
 import time
@@ -26,7 +27,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, Optional
 
-from gpujobs.attempts import AttemptLog, Decision, RequeuePolicy
+from gpujobs.attempts import AttemptLog, Decision
 from gpujobs.config import JobConfig
 
 log = logging.getLogger(__name__)
@@ -101,14 +102,9 @@ def classify_stop(job: JobConfig, attempt_started: float, signalled_at: Optional
 
 def record_attempt(run_dir: str, job: JobConfig, record: dict[str, Any]) -> Decision:
     """Rank 0: decide whether to go again, write the attempt's line, and requeue on Slurm if so."""
-    attempts = AttemptLog(Path(run_dir))
-    history = attempts.read()
-    decision = RequeuePolicy.of(job.cluster).decide(history, record["reason"])
     job_id = _slurm_job_id()
-    attempts.append(
-        {"attempt": len(history) + 1, **record, "requeue": decision.requeue, "why": decision.why, "job_id": job_id}
-    )
-    log.warning("attempt %d ended: %s; %s", len(history) + 1, record["reason"], decision.why)
+    number, decision = AttemptLog(Path(run_dir)).record(job.cluster, {**record, "job_id": job_id})
+    log.warning("attempt %d ended: %s; %s", number, record["reason"], decision.why)
     if decision.requeue and job_id is not None and job.cluster.name == "slurm":
         subprocess.run(["scontrol", "requeue", job_id], check=True, timeout=60)
         log.warning("requeued Slurm job %s", job_id)
@@ -117,8 +113,6 @@ def record_attempt(run_dir: str, job: JobConfig, record: dict[str, Any]) -> Deci
 
 def _slurm_job_id() -> Optional[str]:
     """This job's id as scontrol wants it (array tasks: ARRAYID_TASKID), or None outside Slurm."""
-    import os
-
     if "SLURM_JOB_ID" not in os.environ:
         return None
     if "SLURM_ARRAY_JOB_ID" in os.environ and "SLURM_ARRAY_TASK_ID" in os.environ:

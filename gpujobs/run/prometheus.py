@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import socket
 import time
 from pathlib import Path
@@ -19,6 +18,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
+from gpujobs.atomic import write_text_atomic
 from gpujobs.run.straggler import Peer
 
 log = logging.getLogger(__name__)
@@ -71,9 +71,7 @@ class PrometheusExporter:
         host = socket.gethostname() if addr in ("0.0.0.0", "::", "") else addr
         url = f"http://{host}:{server.server_port}/metrics"
         info = {"url": url, "port": server.server_port, "node": socket.gethostname(), "job": self.job_name}
-        tmp = run_dir / f".{PROMETHEUS_FILE}.tmp"
-        tmp.write_text(json.dumps(info) + "\n")
-        os.replace(tmp, run_dir / PROMETHEUS_FILE)
+        write_text_atomic(run_dir / PROMETHEUS_FILE, json.dumps(info) + "\n")
         log.info("Prometheus metrics at %s", url)
         return url
 

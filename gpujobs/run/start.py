@@ -21,11 +21,8 @@ import uuid
 from pathlib import Path
 from typing import Optional
 
-from omegaconf import OmegaConf
-
 from gpujobs.atomic import write_text_atomic
-from gpujobs.config import load_config
-from gpujobs.launch.rundir import CONFIG_FILE
+from gpujobs.launch.rundir import CONFIG_FILE, read_config
 from gpujobs.run.entry import RESULT_FILE
 from gpujobs.run.preemption import catch_early
 
@@ -81,7 +78,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     os.environ["SUBMITIT_FOLDER"] = str(args.folder)
     env = submitit.JobEnvironment()
     run_dir = args.run_dir if args.points is None else point_run_dir(args.points, int(env.array_task_id or 0))
-    job = load_config(OmegaConf.load(run_dir / CONFIG_FILE))  # type: ignore[arg-type]
+    job = read_config(run_dir)
     delayed = DelayedSubmission(make_payload(job, training_dir(run_dir, env.job_id)))
     delayed.set_timeout(job.cluster.timeout_min, max_num_timeout=3)
     # Every rank writes the same payload where submitit's runner looks for it; rename keeps it whole.

@@ -227,7 +227,7 @@ class Trainer:
         return {
             "status": "preempted" if stopped else "completed",
             "start_step": start_step,
-            "saved": str(self.checkpoints.path_for(self.step)) if self.saved_step == self.step else None,
+            "saved": str(self.checkpoints.path_for(self.step)),  # saved just above, if not already
             "steps": self.step,
             "world_size": self.info.world_size,
             **evals,
