@@ -33,7 +33,10 @@ def one_round(run_dir: Path) -> dict[str, float]:
     proc = subprocess.Popen([sys.executable, "-m", "gpujobs.submit", f"hydra.run.dir={run_dir}", *JOB],
                             cwd=REPO, stdout=log, stderr=subprocess.STDOUT, text=True)
     metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 300
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 20):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"the job never reached step 20: see {run_dir.parent / f'{run_dir.name}.log'}")
         time.sleep(0.05)
     job_id = re.findall(r"submitted Slurm job (\d+)", (run_dir.parent / f"{run_dir.name}.log").read_text())[0]
     signalled = time.time()

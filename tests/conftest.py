@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -41,6 +42,13 @@ def submit(
     cmd = [sys.executable, "-m", "gpujobs.submit", f"hydra.run.dir={run_dir}", *overrides]
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.run(cmd, cwd=run_dir.parent, capture_output=True, text=True, timeout=timeout, env=full_env)
+
+
+def slurm_job_id(output: str) -> str:
+    """The id of the first job that `gpujobs.submit` says it queued."""
+    match = re.search(r"submitted Slurm job (\d+)", output)
+    assert match, output
+    return match.group(1)
 
 
 def read_result(run_dir: Path) -> dict[str, Any]:

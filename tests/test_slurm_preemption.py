@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import read_result, sacct_state, submit
+from conftest import read_result, sacct_state, slurm_job_id, submit
 from jobctl import RunningJob, attempts
 
 pytestmark = pytest.mark.slurm
@@ -32,12 +32,6 @@ def reference_digest(tmp_path_factory: pytest.TempPathFactory) -> str:
     proc = submit(run_dir, *MODEL, "cluster=local")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return str(read_result(run_dir)["param_digest"])
-
-
-def slurm_job_id(job: RunningJob) -> str:
-    found = re.findall(r"submitted Slurm job (\d+)", job.output())
-    assert found, job.output()
-    return found[0]
 
 
 def slurm_rank_pids(job_id: str) -> dict[int, int]:
@@ -78,7 +72,7 @@ def test_usr2_requeues_and_resumes_exactly(tmp_path: Path, slurm: dict[str, str]
     run_dir = tmp_path / "run"
     job = RunningJob(run_dir, *ON_SLURM, "telemetry.debug_slow_ms=40", env=slurm)
     job.wait_for_step(30)
-    job_id = slurm_job_id(job)
+    job_id = slurm_job_id(job.output())
     env = {**os.environ, **slurm}
     subprocess.run(["scancel", "--signal=USR2", job_id], check=True, env=env)
     assert job.wait(timeout=180) == 0, job.output()
@@ -98,7 +92,7 @@ def test_usr2_while_the_ranks_start_is_not_lost(tmp_path: Path, slurm: dict[str,
     while not re.search(r"submitted Slurm job \d+", job.output()):
         assert time.monotonic() < deadline and job.proc.poll() is None, job.output()
         time.sleep(0.05)
-    job_id = slurm_job_id(job)
+    job_id = slurm_job_id(job.output())
     signalled: set[int] = set()
     while len(signalled) < 2:
         assert time.monotonic() < deadline, job.output()
