@@ -1,8 +1,14 @@
 #!/usr/bin/env bash
-# GPU check, for a machine with an NVIDIA GPU (and the CUDA build of torch):
-#   1. a local gpujobs run of the rec experiment on the GPUs (NCCL when there are 2+, bf16 AMP on CUDA),
-#   2. gpu.jsonl holds real NVML readings (utilization, memory, power) for the GPUs of the run,
-#   3. the report plots them,
+# GPU check, for a machine with an NVIDIA GPU (and the CUDA build of torch). Takes ~5 min at most on an
+# H200 (it must fit a 15-minute device budget: keep the step counts modest):
+#   1. a local gpujobs run of the rec experiment on the GPUs, always in a real NCCL process group: 2 ranks
+#      where there are 2+ GPUs, else one rank that still joins a group (GPUJOBS_FORCE_PROCESS_GROUP=1), so
+#      DDP's gradient all-reduce goes through NCCL and every collective site of gpujobs runs (timing
+#      all-gather, stop flag, checkpoint agreement, barriers; the group is cpu:gloo,cuda:nccl, see
+#      gpujobs/run/distributed.py), with bf16 autocast (trainer.amp=auto on CUDA);
+#   2. the telemetry path: gpu.jsonl holds real NVML readings for the GPUs of the run, and the run's
+#      Prometheus endpoint (on 127.0.0.1) is scraped while it runs and serves job and GPU series;
+#   3. the report plots them;
 #   4. bench/bench_gpu.py: samples/s of the gpujobs Trainer against a plain loop on one GPU.
 # Without a GPU it stops at once with one line and exit code 3. Usage: bash bench/gpu_check.sh [overrides...]
 set -euo pipefail
@@ -19,11 +25,38 @@ PY
 [ "$gpus" -ge 1 ] || fail "no NVIDIA GPU here (NVML sees none); this check needs one" 3
 python -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' \
   || fail "NVML sees $gpus GPU(s) but torch has no CUDA: install the CUDA build of torch (README)" 3
-ranks=$(( gpus >= 2 ? 2 : 1 ))   # 2 ranks exercise NCCL; one GPU gives one rank (no process group)
+ranks=$(( gpus >= 2 ? 2 : 1 ))
+# A check-only knob (gpujobs/run/distributed.py): one rank joins a process group too, so one GPU runs NCCL.
+export GPUJOBS_FORCE_PROCESS_GROUP=1
 run_dir=$(mktemp -d)/run
-echo "== gpujobs run: $ranks GPU rank(s), run dir $run_dir"
-python -m gpujobs.submit +experiment=rec cluster=local "resources.gpus_per_node=$ranks" trainer.max_steps=400 \
-  trainer.progress=false telemetry.interval_s=0.5 "hydra.run.dir=$run_dir" "$@"
+echo "== gpujobs run: $ranks GPU rank(s) in an NCCL group, run dir $run_dir"
+# nccl=debug: NCCL logs its communicator's init ("Init COMPLETE"), the proof that NCCL itself was used.
+python - "$run_dir" "$ranks" "$@" <<'PY'
+import json, os, signal, subprocess, sys, time, urllib.request
+from pathlib import Path
+
+run, ranks, extra = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
+cmd = [sys.executable, "-m", "gpujobs.submit", "+experiment=rec", "cluster=local", f"resources.gpus_per_node={ranks}",
+       "trainer.max_steps=300", "trainer.progress=false", "nccl=debug", "telemetry.interval_s=0.5",
+       "telemetry.prometheus_port=0", "telemetry.prometheus_addr=127.0.0.1", "telemetry.prometheus_linger_s=3",
+       f"hydra.run.dir={run}", *extra]
+proc = subprocess.Popen(cmd, start_new_session=True)
+deadline, scrape = time.monotonic() + 300, ""
+while proc.poll() is None:
+    if time.monotonic() > deadline:
+        os.killpg(proc.pid, signal.SIGKILL)
+        sys.exit("gpu_check: the run took over 300 s")
+    info = run / "prometheus.json"
+    if info.exists():
+        try:
+            with urllib.request.urlopen(json.loads(info.read_text())["url"], timeout=2) as response:
+                scrape = response.read().decode()
+        except (OSError, ValueError):  # not up yet, or closed between two polls
+            pass
+    time.sleep(0.5)
+(run.parent / "scrape.txt").write_text(scrape)
+sys.exit(proc.returncode)
+PY
 
 echo "== checks"
 python - "$run_dir" "$ranks" <<'PY'
@@ -33,18 +66,28 @@ from pathlib import Path
 run, ranks = Path(sys.argv[1]), int(sys.argv[2])
 result = json.loads((run / "result.json").read_text())
 assert result["status"] == "completed" and result["world_size"] == ranks, result
-logs = "".join(p.read_text() for p in (run / "submitit").glob("*_log.err"))
+logs = "".join(p.read_text() for pattern in ("*_log.err", "*_log.out") for p in (run / "submitit").glob(pattern))
 assert "cuda:" in logs, "ranks did not train on CUDA"
-if ranks > 1:
-    assert "backend nccl" in logs, "2 GPU ranks but no NCCL process group"
+assert logs.count("backend cpu:gloo,cuda:nccl") == ranks, "not every rank joined the device-aware NCCL group"
+assert "NCCL INFO" in logs and "Init COMPLETE" in logs, "no NCCL communicator was initialised"
+train = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+train = [r for r in train if r["kind"] == "train"]
+assert train and all(len(r["step_time_s"]) == ranks and min(r["step_time_s"]) > 0 for r in train), \
+    "no train record holds every rank's gathered step time"
 samples = [json.loads(line) for line in (run / "gpu.jsonl").read_text().splitlines()]
 assert samples, "gpu.jsonl is empty"
 assert {s["rank"] for s in samples} == set(range(ranks)), {s["rank"] for s in samples}
 assert max(s.get("util_pct", 0) for s in samples) > 0, "GPU utilization never above 0"
 assert min(s["mem_used_mib"] for s in samples) > 0 and all(s["mem_total_mib"] > 0 for s in samples)
 assert any("power_w" in s for s in samples), "no power readings"
-print(f"ok: {len(samples)} GPU samples, max util {max(s.get('util_pct', 0) for s in samples)}%, "
-      f"samples/s {result['samples_per_s']}, auc {result['auc']}")
+prometheus = json.loads((run / "prometheus.json").read_text())
+assert prometheus["addr"] == "127.0.0.1", prometheus
+scrape = (run.parent / "scrape.txt").read_text()
+assert 'gpujobs_step{job="rec"}' in scrape and "gpujobs_gpu_utilization_percent{" in scrape, \
+    "the Prometheus endpoint did not serve job and GPU series"
+print(f"ok: {len(train)} gathered train records, {len(samples)} GPU samples, "
+      f"max util {max(s.get('util_pct', 0) for s in samples)}%, samples/s {result['samples_per_s']}, "
+      f"auc {result['auc']}")
 PY
 python -m gpujobs.report "$run_dir"
 test -s "$run_dir/report/gpu.png" || fail "report wrote no gpu.png"

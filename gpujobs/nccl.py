@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from gpujobs.errors import ConfigError
+from gpujobs.validate import Checked, bounds
 
 #: NCCL environment variables gpujobs accepts in `nccl.extra` (from NCCL's documented list).
 #: Anything else is almost always a typo that NCCL would silently ignore.
@@ -30,63 +31,116 @@ KNOWN_NCCL_VARS: frozenset[str] = frozenset(
     }
 )
 
+#: Variables NCCL reads as on/off (0 or 1), and those that also take 2 (auto, or "both" for CROSS_NIC).
+#: NCCL parses them as integers, so the `True` a bare `=true` override turns into would read as 0: the
+#: opposite of what was asked. They take 0/1 (or 2), and true/false, yes/no, on/off become 1/0.
+FLAG_NCCL_VARS: frozenset[str] = frozenset(
+    {
+        "NCCL_CHECKS_DISABLE", "NCCL_CHECK_POINTERS", "NCCL_COLLNET_ENABLE", "NCCL_COMM_BLOCKING",
+        "NCCL_CUMEM_ENABLE", "NCCL_DMABUF_ENABLE", "NCCL_IB_ADAPTIVE_ROUTING", "NCCL_IB_CUDA_SUPPORT",
+        "NCCL_IB_DISABLE", "NCCL_IB_SPLIT_DATA_ON_QPS", "NCCL_IB_USE_INLINE", "NCCL_IGNORE_CPU_AFFINITY",
+        "NCCL_NET_GDR_READ", "NCCL_NVB_DISABLE", "NCCL_P2P_DISABLE", "NCCL_RAS_ENABLE", "NCCL_SET_STACK_SIZE",
+        "NCCL_SHM_DISABLE",
+    }
+)
+TRISTATE_NCCL_VARS: frozenset[str] = frozenset(
+    {"NCCL_CROSS_NIC", "NCCL_IB_PCI_RELAXED_ORDERING", "NCCL_MNNVL_ENABLE", "NCCL_NVLS_ENABLE"}
+)
+_TRUTH = {"1": "1", "true": "1", "yes": "1", "on": "1", "0": "0", "false": "0", "no": "0", "off": "0"}
+
 DEBUG_LEVELS = ("VERSION", "WARN", "INFO", "TRACE")
-# Interface lists as NCCL reads them: optional ^ (exclude) or = (exact), comma-separated names.
-_IFNAME = re.compile(r"^[\^=]?[A-Za-z0-9_.:-]+(,[A-Za-z0-9_.:-]+)*$")
-_SAFE_VALUE = re.compile(r"^[A-Za-z0-9_.,:=^/+-]*$")
+# Interface lists as NCCL reads them: optional ^ (exclude), then = (exact names), comma-separated names.
+_IFNAME = re.compile(r"\^?=?[A-Za-z0-9_.:-]+(,[A-Za-z0-9_.:-]+)*")
+_SAFE_VALUE = re.compile(r"[A-Za-z0-9_.,:=^/+-]*")
+_SAFE_TEXT = "letters, digits and _.,:=^/+-"
+#: The variable each typed field sets; the same variable in `extra` as well is refused.
+TYPED_VARS = {
+    "debug": "NCCL_DEBUG",
+    "debug_subsys": "NCCL_DEBUG_SUBSYS",
+    "socket_ifname": "NCCL_SOCKET_IFNAME",
+    "ib_disable": "NCCL_IB_DISABLE",
+    "ib_hca": "NCCL_IB_HCA",
+    "p2p_disable": "NCCL_P2P_DISABLE",
+}
+
+
+def _debug_level(value: object) -> bool:
+    return isinstance(value, str) and value.upper() in DEBUG_LEVELS
 
 
 @dataclass
-class NcclSettings:
+class NcclSettings(Checked):
     """NCCL knobs for multi-GPU jobs; unset fields leave NCCL's own defaults alone."""
 
     preset: str = "default"
     """Name of the preset these values came from (informational)."""
-    debug: Optional[str] = None
+    debug: Optional[str] = field(
+        default=None, metadata=bounds(valid=_debug_level, allowed=f"one of {', '.join(DEBUG_LEVELS)}")
+    )
     """NCCL_DEBUG: VERSION, WARN, INFO or TRACE."""
-    debug_subsys: Optional[str] = None
+    debug_subsys: Optional[str] = field(default=None, metadata=bounds(pattern=_SAFE_VALUE, allowed=_SAFE_TEXT))
     """NCCL_DEBUG_SUBSYS, e.g. INIT,NET."""
-    socket_ifname: Optional[str] = None
+    socket_ifname: Optional[str] = field(
+        default=None, metadata=bounds(pattern=_IFNAME, allowed="interface names like eth0, ib0 or ^lo,docker0")
+    )
     """NCCL_SOCKET_IFNAME: interfaces for bootstrap and socket transport, e.g. eth0 or ^lo,docker0."""
     ib_disable: Optional[bool] = None
     """NCCL_IB_DISABLE: true forces sockets even where InfiniBand exists."""
-    ib_hca: Optional[str] = None
+    ib_hca: Optional[str] = field(default=None, metadata=bounds(pattern=_SAFE_VALUE, allowed=_SAFE_TEXT))
     """NCCL_IB_HCA: which InfiniBand adapters to use, e.g. mlx5_0,mlx5_1."""
     p2p_disable: Optional[bool] = None
     """NCCL_P2P_DISABLE: true disables peer-to-peer between GPUs (for broken PCIe topologies)."""
     async_error_handling: bool = True
     """TORCH_NCCL_ASYNC_ERROR_HANDLING: a failed collective aborts the job instead of hanging it."""
     extra: dict[str, str] = field(default_factory=dict)
-    """Other NCCL_* variables; only names NCCL documents are accepted."""
+    """Other NCCL_* variables; only names NCCL documents are accepted, on/off ones as 0/1 (true/false ok),
+    and none that a typed field above sets."""
 
     def __post_init__(self) -> None:
-        if self.debug is not None and self.debug.upper() not in DEBUG_LEVELS:
-            raise ConfigError("debug", self.debug, f"one of {', '.join(DEBUG_LEVELS)}")
-        if self.socket_ifname is not None and not _IFNAME.match(self.socket_ifname):
-            raise ConfigError("socket_ifname", self.socket_ifname, "interface names like eth0, ib0 or ^lo,docker0")
-        for name, value in (("debug_subsys", self.debug_subsys), ("ib_hca", self.ib_hca)):
-            if value is not None and not _SAFE_VALUE.match(value):
-                raise ConfigError(name, value, "letters, digits and _.,:=^/+-")
+        super().__post_init__()
         for key, value in self.extra.items():
             if key not in KNOWN_NCCL_VARS:
                 raise ConfigError(f"extra.{key}", value, f"NCCL variables: {', '.join(sorted(KNOWN_NCCL_VARS))}")
-            if not _SAFE_VALUE.match(str(value)):
-                raise ConfigError(f"extra.{key}", value, "letters, digits and _.,:=^/+-")
+            typed = next((name for name, var in TYPED_VARS.items() if var == key), None)
+            if typed is not None and getattr(self, typed) is not None:
+                raise ConfigError(
+                    f"extra.{key}", value,
+                    f"no value while nccl.{typed}={getattr(self, typed)!r} sets {key} too: set only one of "
+                    f"nccl.{typed} and nccl.extra.{key}",
+                )
+        self.extra = {key: _extra_value(key, value) for key, value in self.extra.items()}
 
     def to_env(self) -> dict[str, str]:
         """The environment variables these settings mean, ready for `os.environ.update`."""
-        env = {f"{key}": str(value) for key, value in self.extra.items()}
+        env = dict(self.extra)
         named = {
-            "NCCL_DEBUG": self.debug.upper() if self.debug else None,
-            "NCCL_DEBUG_SUBSYS": self.debug_subsys,
-            "NCCL_SOCKET_IFNAME": self.socket_ifname,
-            "NCCL_IB_DISABLE": _flag(self.ib_disable),
-            "NCCL_IB_HCA": self.ib_hca,
-            "NCCL_P2P_DISABLE": _flag(self.p2p_disable),
+            "debug": self.debug.upper() if self.debug else None,
+            "debug_subsys": self.debug_subsys,
+            "socket_ifname": self.socket_ifname,
+            "ib_disable": _flag(self.ib_disable),
+            "ib_hca": self.ib_hca,
+            "p2p_disable": _flag(self.p2p_disable),
         }
-        env.update({key: value for key, value in named.items() if value is not None})
+        env.update({TYPED_VARS[key]: value for key, value in named.items() if value is not None})
         env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "1" if self.async_error_handling else "0"
         return env
+
+
+def _extra_value(key: str, value: object) -> str:
+    """`value` of `extra[key]` as NCCL should read it: on/off variables as 0/1 (2 where they take it)."""
+    text = str(value)
+    if key in FLAG_NCCL_VARS or key in TRISTATE_NCCL_VARS:
+        # OmegaConf made a YAML/override `true` the string "True"
+        normal = _TRUTH.get(text.strip().lower())
+        if normal is None and key in TRISTATE_NCCL_VARS and text.strip() == "2":
+            normal = "2"
+        if normal is None:
+            three = " or 2" if key in TRISTATE_NCCL_VARS else ""
+            raise ConfigError(f"extra.{key}", value, f"0 or 1{three} (true/false, yes/no, on/off for 1/0)")
+        return normal
+    if not _SAFE_VALUE.fullmatch(text):
+        raise ConfigError(f"extra.{key}", value, _SAFE_TEXT)
+    return text
 
 
 def _flag(value: Optional[bool]) -> Optional[str]:

@@ -6,7 +6,6 @@ This module never imports torch: the job side does that, in its own processes.
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -16,9 +15,10 @@ from omegaconf import DictConfig
 
 from gpujobs.errors import ConfigError, GpujobsError
 from gpujobs.launch.sweep import PLANS_SWEEP_POINTS
+from gpujobs.resources import config_dir
 
-#: conf/ at the repository root; GPUJOBS_CONFIG_DIR points elsewhere (a team's own config tree).
-CONFIG_DIR = os.environ.get("GPUJOBS_CONFIG_DIR") or str(Path(__file__).resolve().parent.parent / "conf")
+#: conf/ (the checkout's or the wheel's copy); GPUJOBS_CONFIG_DIR points elsewhere (a team's own config tree).
+CONFIG_DIR = str(config_dir())
 EXIT_REFUSED = 2
 
 _task_started = False
@@ -28,7 +28,7 @@ def _task(cfg: DictConfig) -> int:
     global _task_started
     _task_started = True
     from gpujobs.config import load_config
-    from gpujobs.launch import launch
+    from gpujobs.launch import check_paths, launch, resolve_cluster
     from gpujobs.launch.rundir import discard_if_empty
     from gpujobs.launch.sweep import active_plan
 
@@ -38,7 +38,8 @@ def _task(cfg: DictConfig) -> int:
     # In a sweep the error names the point; it is still one line.
     where = f" (sweep point #{hydra_cfg.job.num}: {' '.join(hydra_cfg.overrides.task)})" if plan else ""
     try:
-        job = load_config(cfg)
+        job = resolve_cluster(load_config(cfg))  # cluster=auto: this machine picks, here, not in load_config
+        check_paths(job, run_dir, Path(hydra_cfg.sweep.dir).absolute() if plan is not None else None)
         if plan is not None:  # a gpujobs sweep: validate and plan this point; the launcher starts them all
             plan.add(job, run_dir, hydra_cfg.job.num, list(hydra_cfg.overrides.task))
             return 0

@@ -21,6 +21,24 @@
 # /etc/slurm/slurm.conf (removed again by down/reset). By default no /etc/slurm/slurm.conf is made:
 # clients find the cluster through SLURM_CONF only, so nothing points at a cluster that is down.
 #
+# Safe on a shared machine: the cluster is root's, and no other local user gets anything from it.
+#   - DIR is made by this script with mkdir -m 700 (never wider, not even for a moment) and is
+#     used only if it is a real directory of ours, mode 0700, with our marker inside; a DIR
+#     someone else made (other owner, a symlink, writable by others, not empty and no marker,
+#     below a directory others may rename entries of) is refused before anything starts. DIR's
+#     parent is resolved once, so no symlink can redirect DIR later.
+#   - the munge key is generated here (1 KiB from /dev/urandom, 0400) and reused only if the
+#     marker says this script wrote it; a key it did not write is never used.
+#   - MariaDB: root@localhost authenticates by unix socket only (peer uid 0; no password works,
+#     and none over TCP), its socket is inside DIR; slurmdbd logs in as `slurm`@`127.0.0.1` with a
+#     random password (DIR/etc/mariadb-slurm.pass and slurmdbd.conf, both 0600, never in argv),
+#     which has rights on slurm_acct_db only (no FILE); secure-file-priv confines INTO OUTFILE and
+#     LOAD DATA to DIR/mysql-files. mariadbd runs as root like the other daemons: the mysql user
+#     could not enter DIR (0700).
+#   - everything is created under umask 077; Slurm clients (sbatch, sacct...) therefore work for
+#     root only. A DIR made by an earlier version of this script (world-readable, MariaDB root
+#     without password) is stopped and re-created by `up` (its jobs and accounting are lost).
+#
 # Cluster layout (defaults):
 #   nodes       node1, node2 on this host (one slurmd -N nodeX each, own port), each with
 #               CPUs=4 (may exceed the real cores: SlurmdParameters=config_overrides),
@@ -64,12 +82,20 @@
 # must stat() as devices; `kill -0` is true for zombies here (so /proc/PID/status is read);
 # daemons keep inherited fds open (so fds > 2 are closed before they are spawned).
 set -euo pipefail
-umask 022
+# Nothing this script creates is for other users (the package install sets its own umask).
+umask 077
 
 usage() { echo "usage: $0 {up|down|status|env|reset} [DIR]" >&2; exit 2; }
 if [ $# -lt 1 ] || [ $# -gt 2 ]; then usage; fi
 CMD=$1
-DIR=$(realpath -m -- "${2:-${GPUJOBS_SLURM_DIR:-/tmp/gpujobs-slurm}}")
+[ "$CMD" = env ] || [ "$(id -u)" -eq 0 ] || { echo "local-slurm: must run as root" >&2; exit 1; }
+# DIR's parent is resolved once here (and `up` creates it first, root's, 0755): every path used
+# below is free of symlinks, so no one can redirect DIR between the checks and the daemons' writes.
+# DIR itself must not be a symlink (check_dir).
+DIR=$(realpath -s -m -- "${2:-${GPUJOBS_SLURM_DIR:-/tmp/gpujobs-slurm}}")
+[ "$DIR" != / ] || { echo "local-slurm: DIR must not be /" >&2; exit 2; }
+if [ "$CMD" = up ]; then ( umask 022; mkdir -p -- "${DIR%/*}/" ); fi
+if parent=$(realpath -e -- "${DIR%/*}/" 2>/dev/null); then DIR=${parent%/}/${DIR##*/}; fi
 
 NODES=${GPUJOBS_SLURM_NODES:-2}
 CPUS=${GPUJOBS_SLURM_CPUS_PER_NODE:-4}
@@ -107,6 +133,9 @@ CONF=$ETC/slurm.conf
 MUNGE_SOCK=$RUN/munge.sock
 MY_CNF=$ETC/my.cnf
 MARKER=$DIR/.gpujobs-local-slurm
+MARKER_FORMAT="gpujobs-local-slurm format=2"   # an older script's marker is empty
+MUNGE_KEY=$DIR/munge/munge.key
+DB_PASS_FILE=$ETC/mariadb-slurm.pass
 HOSTS_TAG="# gpujobs-local-slurm $DIR"
 HOST=$(hostname -s)
 NODE_NAMES=()
@@ -281,14 +310,15 @@ install_packages() {
   if [ ! -e "$guard" ]; then
     printf '#!/bin/sh\nexit 101\n' > "$guard"; chmod 755 "$guard"; added=1
   fi
-  local apt=(apt-get -y -q -o DPkg::Lock::Timeout=120)
+  # the system's usual umask for apt: maintainer scripts create files other users must read
+  local apt=(env DEBIAN_FRONTEND=noninteractive sh -c 'umask 022; exec "$@"' apt apt-get -y -q -o DPkg::Lock::Timeout=120)
   for try in 1 2 3; do
     if [ "$try" -gt 1 ]; then
       log "apt-get install failed; apt-get update and retry ($try/3)"
       [ "$try" -gt 2 ] && sleep 5
       "${apt[@]}" update >>"$LOG/apt.log" 2>&1 || true
     fi
-    if DEBIAN_FRONTEND=noninteractive "${apt[@]}" install --no-install-recommends "${missing[@]}" \
+    if "${apt[@]}" install --no-install-recommends "${missing[@]}" \
          >>"$LOG/apt.log" 2>&1 </dev/null; then ok=1; break; fi
   done
   [ "$added" = 1 ] && rm -f "$guard"
@@ -418,7 +448,22 @@ EOF
   fi
 }
 
+# db_password: the password of the `slurm` MariaDB account, random, made once per DIR. It lives in
+# 0600 files only (this one and slurmdbd.conf) and reaches the server on stdin, never in argv,
+# which every local user can read in /proc. TCP on 127.0.0.1 is open to all: hence no fixed one.
+db_password() {
+  if [ ! -f "$DB_PASS_FILE" ] || [ -L "$DB_PASS_FILE" ] || [ ! -s "$DB_PASS_FILE" ]; then
+    rm -f "$DB_PASS_FILE"
+    od -An -tx1 -N24 /dev/urandom | tr -d ' \n' > "$DB_PASS_FILE.new"
+    mv -f "$DB_PASS_FILE.new" "$DB_PASS_FILE"
+  fi
+  chmod 600 "$DB_PASS_FILE"
+  tr -dc 0-9a-f < "$DB_PASS_FILE"
+}
+
 write_dbd_confs() {
+  local pass
+  pass=$(db_password)
   # slurmdbd reads slurmdbd.conf next to $SLURM_CONF and insists on mode 0600, owned by SlurmUser
   put_file "$ETC/slurmdbd.conf" 600 <<EOF
 AuthType=auth/munge
@@ -434,10 +479,13 @@ StorageType=accounting_storage/mysql
 StorageHost=127.0.0.1
 StoragePort=$MYSQL_PORT
 StorageUser=slurm
-StoragePass=slurm
+StoragePass=$pass
 StorageLoc=slurm_acct_db
 EOF
-  put_file "$MY_CNF" <<EOF
+  # mariadbd runs as root like the other daemons (the mysql user could not enter DIR, 0700). Root's
+  # FILE privilege stays root's: root@localhost authenticates by unix socket (peer uid 0) only and
+  # the socket is inside DIR; and secure-file-priv keeps INTO OUTFILE / LOAD DATA inside DIR.
+  put_file "$MY_CNF" 600 <<EOF
 [mysqld]
 user=root
 datadir=$DIR/mysql
@@ -447,6 +495,8 @@ log-error=$LOG/mysqld.log
 port=$MYSQL_PORT
 bind-address=127.0.0.1
 skip-name-resolve
+secure-file-priv=$DIR/mysql-files
+local-infile=0
 innodb_buffer_pool_size=128M
 innodb_log_file_size=64M
 innodb_lock_wait_timeout=900
@@ -476,7 +526,7 @@ remove_hosts_line() {
 # /etc/slurm/slurm.conf: only with GPUJOBS_SLURM_LINK_ETC=1; never left pointing at a stopped cluster
 link_etc() {
   if [ "$LINK_ETC" = 1 ]; then
-    mkdir -p /etc/slurm
+    ( umask 022; mkdir -p /etc/slurm )
     if [ -L /etc/slurm/slurm.conf ] || [ ! -e /etc/slurm/slurm.conf ]; then
       ln -sfn "$CONF" /etc/slurm/slurm.conf
     else
@@ -502,43 +552,60 @@ mysql_ok() { mariadb-admin --socket="$RUN/mysqld.sock" -uroot ping; }
 dbd_ok() { sacctmgr -n -P show cluster format=cluster; }
 sacct_ok() { sacct -n -X -P -o JobID -S now; }
 
+# munge_key_ours: the key is one this script generated (the marker says so) and is still root's, 0400
+munge_key_ours() {
+  [ -f "$MUNGE_KEY" ] && [ ! -L "$MUNGE_KEY" ] && [ "$(stat -c '%u %a' -- "$MUNGE_KEY")" = "0 400" ] &&
+    grep -qxF munge_key=generated "$MARKER"
+}
+
 start_munged() {
+  if ! munge_key_ours; then
+    stop_daemon "$RUN/munged.pid" munged
+    log "generating the munge key"
+    install -d -m 700 "$DIR/munge"
+    rm -f "$MUNGE_KEY" "$MUNGE_KEY.new"
+    dd if=/dev/urandom of="$MUNGE_KEY.new" bs=1024 count=1 status=none
+    chmod 400 "$MUNGE_KEY.new"; mv -f "$MUNGE_KEY.new" "$MUNGE_KEY"
+    grep -qxF munge_key=generated "$MARKER" || echo munge_key=generated >> "$MARKER"
+  fi
   if sole_pid "$RUN/munged.pid" munged >/dev/null && munge_ok; then return 0; fi
   stop_daemon "$RUN/munged.pid" munged
-  install -d -m 700 "$DIR/munge"
-  [ -s "$DIR/munge/munge.key" ] || dd if=/dev/urandom of="$DIR/munge/munge.key" bs=1024 count=1 status=none
-  chmod 400 "$DIR/munge/munge.key"
   rm -f "$MUNGE_SOCK" "$MUNGE_SOCK.lock"
   log "starting munged"
-  start_forking "$LOG/munged.out" /usr/sbin/munged --socket="$MUNGE_SOCK" --key-file="$DIR/munge/munge.key" \
+  # munged wants its socket reachable by every user ("Socket is inaccessible: execute permissions
+  # for all required"); this one is for root only, on purpose (inside DIR, 0700). --force makes
+  # that error a warning (so too its other permission checks, which our files pass anyway).
+  start_forking "$LOG/munged.out" /usr/sbin/munged --force --socket="$MUNGE_SOCK" --key-file="$MUNGE_KEY" \
       --pid-file="$RUN/munged.pid" --seed-file="$DIR/munge/munged.seed" --log-file="$LOG/munged.log" ||
     { show_logs "$LOG/munged.out" "$LOG/munged.log"; die "munged failed to start"; }
   wait_until 15 munged munge_ok || { show_logs "$LOG/munged.log"; die "munged does not answer"; }
 }
 
 start_mariadbd() {
-  if ! stale mysql && sole_pid "$RUN/mysqld.pid" mariadbd >/dev/null && mysql_ok >/dev/null 2>&1; then
-    return 0
+  if stale mysql || ! sole_pid "$RUN/mysqld.pid" mariadbd >/dev/null || ! mysql_ok >/dev/null 2>&1; then
+    stop_daemon "$RUN/mysqld.pid" mariadbd
+    need_port "$MYSQL_PORT" mariadbd
+    if [ ! -d "$DIR/mysql/mysql" ]; then
+      log "initialising the MariaDB datadir"
+      rm -rf "$DIR/mysql"
+      # socket: root@localhost is reachable only by OS root over the unix socket (no password works)
+      mariadb-install-db --defaults-file="$MY_CNF" --auth-root-authentication-method=socket \
+          --auth-root-socket-user=root --skip-test-db >"$LOG/mariadb-install-db.log" 2>&1 </dev/null ||
+        { show_logs "$LOG/mariadb-install-db.log"; die "mariadb-install-db failed"; }
+    fi
+    log "starting mariadbd"
+    start_foreground "$LOG/mysqld.out" /usr/sbin/mariadbd --defaults-file="$MY_CNF"
+    wait_until 60 mariadbd mysql_ok || { show_logs "$LOG/mysqld.log"; die "mariadbd does not answer"; }
+    applied mysql
   fi
-  stop_daemon "$RUN/mysqld.pid" mariadbd
-  need_port "$MYSQL_PORT" mariadbd
-  if [ ! -d "$DIR/mysql/mysql" ]; then
-    log "initialising the MariaDB datadir"
-    rm -rf "$DIR/mysql"
-    mariadb-install-db --defaults-file="$MY_CNF" --auth-root-authentication-method=normal --skip-test-db \
-        >"$LOG/mariadb-install-db.log" 2>&1 </dev/null ||
-      { show_logs "$LOG/mariadb-install-db.log"; die "mariadb-install-db failed"; }
-  fi
-  log "starting mariadbd"
-  start_foreground "$LOG/mysqld.out" /usr/sbin/mariadbd --defaults-file="$MY_CNF"
-  wait_until 60 mariadbd mysql_ok || { show_logs "$LOG/mysqld.log"; die "mariadbd does not answer"; }
-  applied mysql
-  mariadb --socket="$RUN/mysqld.sock" -uroot -e "
-    CREATE USER IF NOT EXISTS 'slurm'@'127.0.0.1' IDENTIFIED BY 'slurm';
-    CREATE USER IF NOT EXISTS 'slurm'@'localhost' IDENTIFIED BY 'slurm';
-    GRANT ALL ON slurm_acct_db.* TO 'slurm'@'127.0.0.1';
-    GRANT ALL ON slurm_acct_db.* TO 'slurm'@'localhost';
-    FLUSH PRIVILEGES;" </dev/null >&2 || die "could not create the slurm database user"
+  # every `up`: the password may be new. The SQL goes on stdin: argv is world-readable.
+  local pass
+  pass=$(db_password)
+  mariadb --socket="$RUN/mysqld.sock" -uroot >&2 <<EOF || die "could not set up the slurm database user"
+CREATE USER IF NOT EXISTS 'slurm'@'127.0.0.1' IDENTIFIED BY '$pass';
+ALTER USER 'slurm'@'127.0.0.1' IDENTIFIED BY '$pass';
+GRANT ALL ON slurm_acct_db.* TO 'slurm'@'127.0.0.1';
+EOF
 }
 
 start_slurmdbd() {
@@ -630,27 +697,87 @@ wait_healthy() {
 # ------------------------------------------------------------------------------------ commands
 
 take_lock() {
-  mkdir -p "$DIR"
   exec {LOCK_FD}>>"$DIR/.lock"
   flock -w 300 "$LOCK_FD" || die "could not lock $DIR/.lock within 300 s"
 }
 
-# foreign_dir: DIR holds files but not our marker (so `up` won't write into it, `reset` won't delete it)
-foreign_dir() {
-  local f
-  [ -d "$DIR" ] && [ ! -e "$MARKER" ] || return 1
-  for f in "$DIR"/* "$DIR"/.[!.]* "$DIR"/..?*; do
-    [ -e "$f" ] || [ -L "$f" ] || continue
-    [ "$f" = "$DIR/.lock" ] || return 0
+# refuse REASON: one line, then exit 1 (nothing was started or written for DIR)
+refuse() { log "ERROR: refusing $DIR: $*; use another DIR (or remove it)"; exit 1; }
+
+# parents_safe: every directory above DIR (a resolved path: no symlinks) is root's, and no one else
+# may rename or remove entries in it (not writable by group/others, or sticky as /tmp is), so no
+# one else can swap DIR or a directory above it for one of theirs
+parents_safe() {
+  local p=${DIR%/*} uid mode
+  while :; do
+    [ -n "$p" ] || p=/
+    read -r uid mode < <(stat -c '%u %a' -- "$p" 2>/dev/null) || return 1
+    [ "$uid" = 0 ] || return 1
+    (( (8#$mode & 8#022) == 0 || (8#$mode & 8#1000) != 0 )) || return 1
+    [ "$p" = / ] && return 0
+    p=${p%/*}
   done
-  return 1
+}
+
+# check_dir: set DIR_STATE to what DIR is, or refuse anything else
+#   absent  nothing there
+#   fresh   a real directory of ours, mode 0700, empty but for our .lock (our mkdir -m 700)
+#   ours    made by this script: our marker of this format inside, mode 0700
+#   old     made by an earlier version of this script: its (empty) marker, ours, writable by no one
+#           else, but world-readable and with a MariaDB root anyone could log into
+# Anything else was made, or can be changed, by someone else: a symlink, not a directory,
+# another owner, writable by group/others, under a directory others may rename entries of, or
+# not empty without our marker. Its files (a planted munge key, a slurm.conf loading plugins)
+# are never used: `up` starts nothing, `down`/`status` run no Slurm client on its config,
+# `reset` deletes nothing.
+check_dir() {
+  local uid mode
+  if [ ! -e "$DIR" ] && [ ! -L "$DIR" ]; then DIR_STATE=absent; return 0; fi
+  [ ! -L "$DIR" ] || refuse "it is a symbolic link"
+  [ -d "$DIR" ] || refuse "it is not a directory"
+  parents_safe || refuse "a directory above it is not root's, or others may rename its entries"
+  read -r uid mode < <(stat -c '%u %a' -- "$DIR")
+  [ "$uid" = "$(id -u)" ] || refuse "it belongs to uid $uid, not to us (uid $(id -u)): someone else made it"
+  (( (8#$mode & 8#022) == 0 )) || refuse "others may write to it (mode $mode)"
+  if [ -f "$MARKER" ] && [ ! -L "$MARKER" ] && [ "$(stat -c %u -- "$MARKER")" = "$uid" ]; then
+    if grep -qxF "$MARKER_FORMAT" "$MARKER"; then
+      [ "$mode" = 700 ] || refuse "its mode is $mode, not 700 (someone changed it; run reset)"
+      DIR_STATE=ours
+    else
+      DIR_STATE=old
+    fi
+  elif [ "$mode" = 700 ] && [ -z "$(find "$DIR" -mindepth 1 -maxdepth 1 ! -name .lock -print -quit)" ]; then
+    DIR_STATE=fresh
+  else
+    refuse "it was not made by this script (mode $mode, no marker)"
+  fi
+}
+
+# make_dir: DIR as ours, locked. mkdir -m 700 creates it with that mode at once (no moment with
+# wider permissions); if someone else's appears first, mkdir fails and check_dir refuses it.
+make_dir() {
+  check_dir
+  if [ "$DIR_STATE" = absent ]; then
+    parents_safe || refuse "a directory above it is not root's, or others may rename its entries"
+    mkdir -m 700 -- "$DIR" 2>/dev/null || true
+    check_dir
+  fi
+  take_lock
+  check_dir   # again, under the lock: another `up` may have got there first
+  if [ "$DIR_STATE" = old ]; then
+    # Nothing in it is trusted (any local user was MariaDB root, with FILE): start afresh.
+    log "$DIR was made by an older local-slurm.sh (world-readable, MariaDB root without password): stopping it and re-creating it; its jobs and accounting are lost"
+    chmod 700 -- "$DIR"
+    stop_all
+    find "$DIR" -mindepth 1 -maxdepth 1 ! -name .lock -exec rm -rf -- {} +
+    DIR_STATE=fresh
+  fi
+  [ "$DIR_STATE" = ours ] || printf '%s\n' "$MARKER_FORMAT" > "$MARKER"
 }
 
 cmd_up() {
-  foreign_dir && die "$DIR exists, is not empty and was not made by this script; refusing to use it"
-  take_lock
-  touch "$MARKER"
-  mkdir -p "$ETC" "$RUN" "$LOG" "$DIR/state" "$DIR/dev"
+  make_dir
+  mkdir -p "$ETC" "$RUN" "$LOG" "$DIR/state" "$DIR/dev" "$DIR/mysql-files"
   install_packages
   write_slurm_conf
   write_dbd_confs
@@ -671,9 +798,8 @@ cmd_up() {
   log "up: $(sinfo -h -o '%P:%D nodes %t' | tr '\n' ' ')"
 }
 
-cmd_down() {
-  [ -d "$DIR" ] || { log "$DIR does not exist; nothing to stop"; unlink_etc; return 0; }
-  take_lock
+# stop_all: cancel the jobs, stop every daemon of DIR (with the lock held)
+stop_all() {
   if pidof_daemon "$RUN/slurmctld.pid" slurmctld >/dev/null; then
     local jobs end
     mapfile -t jobs < <(squeue -h -o %A 2>/dev/null | sort -u)
@@ -689,6 +815,13 @@ cmd_down() {
   stop_daemon "$RUN/slurmdbd.pid" slurmdbd
   stop_daemon "$RUN/mysqld.pid" mariadbd
   stop_daemon "$RUN/munged.pid" munged
+}
+
+cmd_down() {
+  check_dir
+  [ "$DIR_STATE" != absent ] || { log "$DIR does not exist; nothing to stop"; unlink_etc; return 0; }
+  take_lock
+  stop_all
   unlink_etc
   log "down"
 }
@@ -698,6 +831,7 @@ cmd_status() {
   show() {  # show NAME PIDFILE COMM
     if pid=$(pidof_daemon "$2" "$3"); then echo "$1: running (pid $pid)"; else echo "$1: NOT running"; rc=1; fi
   }
+  check_dir
   echo "dir: $DIR"
   show munged "$RUN/munged.pid" munged
   show mariadbd "$RUN/mysqld.pid" mariadbd
@@ -715,14 +849,15 @@ cmd_status() {
 }
 
 cmd_reset() {
-  foreign_dir && die "$DIR was not made by this script; refusing to delete it"
-  cmd_down
-  rm -rf "$DIR"
+  check_dir
+  if [ "$DIR_STATE" != absent ]; then
+    cmd_down
+    rm -rf -- "$DIR"
+  fi
   remove_hosts_line
   log "removed $DIR"
 }
 
-[ "$CMD" = env ] || [ "$(id -u)" -eq 0 ] || die "must run as root"
 case $CMD in
   up)     cmd_up; echo "export SLURM_CONF=$CONF" ;;
   down)   cmd_down ;;

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The whole check: lint, types, then the test suite, with a real throw-away Slurm cluster where this
-# machine can run one (root + apt). Run inside the project's environment (the README's test command
-# creates it). Extra arguments go to pytest.
+# The whole check: lint, types, the test suite, then the installed wheel (scripts/wheel-check.sh), with
+# a real throw-away Slurm cluster where this machine can run one (root + apt). Run inside the project's
+# environment (the README's test command creates it). Extra arguments go to pytest.
 #
 # Without the cluster the Slurm tests skip with a reason; with CI set they fail instead, so a CI run
 # can never go green by skipping them.
@@ -22,3 +22,5 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
 fi
 
 echo "== pytest"; python -m pytest "$@"
+# The wheel as users install it, run from outside the checkout (its dry runs use the cluster above).
+echo "== wheel"; bash scripts/wheel-check.sh

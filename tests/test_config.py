@@ -10,8 +10,9 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from gpujobs import config
-from gpujobs.config import load_config, parse_time_minutes, resolve_cluster_name
+from gpujobs.config import load_config, parse_time_minutes
 from gpujobs.errors import ConfigError
+from gpujobs.launch import resolve_cluster, resolve_cluster_name
 from gpujobs.nccl import KNOWN_NCCL_VARS, NcclSettings
 
 
@@ -31,7 +32,7 @@ def test_rec_experiment_composes_to_two_cpu_ranks() -> None:
         ("resources.gpus_per_node=-1", "resources.gpus_per_node", ">= 0"),
         ("resources.nodes=0", "resources.nodes", ">= 1"),
         ("resources.procs_per_node=0", "resources.procs_per_node", ">= 1"),
-        ("resources.mem_gb=-4", "resources.mem_gb", "> 0"),
+        ("resources.mem_gb=-4", "resources.mem_gb", "at least 1 MiB"),
         ("trainer.max_steps=abc", "trainer.max_steps", "int"),
         ("trainer.amp=fp8", "trainer.amp", "auto, bf16, off"),
         ("optim.lr=0", "optim.lr", "> 0"),
@@ -51,6 +52,22 @@ def test_rec_experiment_composes_to_two_cpu_ranks() -> None:
         ("+surprise=1", "surprise", "top-level keys"),
         ("model._target_=nowhere.Thing", "model._target_", "importable"),
         ("model.embedding_dim=0", "model.embedding_dim", ""),
+        # text that reaches sbatch's parser: a newline would end the directive and run the rest
+        ("name='rec\n'", "name", "control characters"),
+        ("cluster.partition='debug\r'", "cluster.partition", "control characters"),
+        ("cluster.account='lab\nrm -rf ~'", "cluster.account", "control characters"),
+        ("cluster.constraint='a100 '", "cluster.constraint", "no spaces"),
+        # numbers as their consumers read them
+        ("resources.mem_gb=inf", "resources.mem_gb", "finite"),
+        ("resources.mem_gb=0.0001", "resources.mem_gb", "at least 1 MiB"),  # would render --mem=0M
+        ("optim.lr=nan", "optim.lr", "a finite number > 0"),
+        ("trainer.pg_timeout_s=1e15", "trainer.pg_timeout_s", "int"),
+        ("trainer.pg_timeout_s=1000000000000000", "trainer.pg_timeout_s", "4611686018"),
+        ("cluster.signal_lead_s=70000", "cluster.signal_lead_s", "at most 65535"),
+        ("telemetry.prometheus_port=65536", "telemetry.prometheus_port", "[0, 65535]"),
+        ("telemetry.prometheus_addr='0.0.0.0 '", "telemetry.prometheus_addr", "host name"),
+        ("+nccl.extra.NCCL_IB_DISABLE=maybe", "nccl.extra.NCCL_IB_DISABLE", "0 or 1"),
+        ("+nccl.extra.NCCL_NVLS_ENABLE=3", "nccl.extra.NCCL_NVLS_ENABLE", "0 or 1 or 2"),
     ],
 )
 def test_bad_values_name_key_value_and_allowed(override: str, key: str, allowed: str) -> None:
@@ -61,6 +78,73 @@ def test_bad_values_name_key_value_and_allowed(override: str, key: str, allowed:
     assert info.value.key in (key, key.replace("IFNAME", "IFNAM")), message
     assert allowed in message
     assert "\n" not in message
+
+
+@pytest.mark.parametrize(
+    ("override", "exported"),
+    [
+        ("+nccl.extra.NCCL_IB_DISABLE=true", "1"),  # Hydra makes this the bool True: NCCL would read "True" as 0
+        ("+nccl.extra.NCCL_IB_DISABLE=false", "0"),
+        ("+nccl.extra.NCCL_P2P_DISABLE=yes", "1"),
+        ("+nccl.extra.NCCL_SHM_DISABLE=NO", "0"),
+        ("+nccl.extra.NCCL_IB_DISABLE=1", "1"),
+        ("+nccl.extra.NCCL_CROSS_NIC=true", "1"),
+        ("+nccl.extra.NCCL_NVLS_ENABLE=2", "2"),
+        ("+nccl.extra.NCCL_BUFFSIZE=8388608", "8388608"),  # not on/off: as given
+    ],
+)
+def test_nccl_on_off_variables_are_exported_as_nccl_reads_them(override: str, exported: str) -> None:
+    var = override.split("=")[0].rsplit(".", 1)[1]
+    job = compose_job("+experiment=rec", override)
+    assert job.nccl.to_env()[var] == exported
+    assert load_config(job.to_dict()).nccl.to_env()[var] == exported  # config.yaml keeps what NCCL reads
+
+
+@pytest.mark.parametrize(
+    ("typed", "var"),
+    [("debug=INFO", "NCCL_DEBUG"), ("debug_subsys=INIT", "NCCL_DEBUG_SUBSYS"),
+     ("socket_ifname=eth0", "NCCL_SOCKET_IFNAME"), ("ib_disable=true", "NCCL_IB_DISABLE"),
+     ("ib_hca=mlx5_0", "NCCL_IB_HCA"), ("p2p_disable=false", "NCCL_P2P_DISABLE")],
+)
+def test_a_variable_set_by_a_typed_field_and_in_extra_is_refused_naming_both(typed: str, var: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        compose_job("+experiment=rec", f"nccl.{typed}", f"+nccl.extra.{var}=0")
+    message = str(info.value)
+    assert info.value.key == f"nccl.extra.{var}"
+    assert f"nccl.{typed.split('=')[0]}" in message and f"nccl.extra.{var}" in message
+    assert "\n" not in message
+
+
+def test_a_preset_s_typed_field_counts_too() -> None:
+    with pytest.raises(ConfigError, match=r"nccl\.extra\.NCCL_SOCKET_IFNAME=.*nccl\.socket_ifname"):
+        compose_job("+experiment=rec", "nccl=ethernet", "+nccl.extra.NCCL_SOCKET_IFNAME=eth1")
+
+
+def test_prometheus_listens_on_loopback_unless_told() -> None:
+    assert config.TelemetryConfig().prometheus_addr == "127.0.0.1"
+    assert compose_job("+experiment=rec").telemetry.prometheus_addr == "127.0.0.1"  # conf/telemetry/default.yaml
+
+
+@pytest.mark.parametrize("addr", ["0.0.0.0", "::", "", "::1", "10.1.2.3", "node-1.cluster.local", "localhost", "n1."])
+def test_prometheus_addr_takes_addresses_and_host_names(addr: str) -> None:
+    assert config.TelemetryConfig(prometheus_addr=addr).prometheus_addr == addr
+
+
+@pytest.mark.parametrize("addr", ["a b", "host:9400", "http://x", "-bad", "a..b", "lo\n", "[::1]", "x" * 64])
+def test_prometheus_addr_refuses_what_is_no_address(addr: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        config.TelemetryConfig(prometheus_addr=addr)
+    assert info.value.key == "prometheus_addr"
+
+
+def test_load_config_probes_nothing_the_submit_side_picks_the_cluster(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", "/nonexistent")  # no sbatch: auto means local
+    job = compose_job("+experiment=rec")
+    assert job.cluster.name == "auto"  # as composed: load_config reads, it does not probe
+    picked = resolve_cluster(job)
+    assert picked.cluster.name == "local" and job.cluster.name == "auto"  # a resolved copy
+    assert picked.resources == job.resources and picked.optim == job.optim
+    assert resolve_cluster(picked) is picked
 
 
 def test_unknown_nccl_key_lists_the_known_ones() -> None:
@@ -131,7 +215,7 @@ def test_exact_typed_sections_build_the_same_objects_as_the_merge(overrides: tup
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         raw: Any = OmegaConf.to_container(compose(config_name="config", overrides=list(overrides)), resolve=True)
     job = load_config(raw)
-    sections = [(key, schema) for key, schema in config._SECTIONS.items()]
+    sections = [(key, schema) for key, schema in config.SECTIONS.items()]
     sections += [(key, type(getattr(job, key))) for key in ("model", "data")]
     sections += [("script", config.ScriptConfig)] if job.script is not None else []
     for key, schema in sections:

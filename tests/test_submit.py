@@ -21,6 +21,14 @@ from conftest import REPO, submit
         "+resources.gpu=1",
         "resources.nodes=2",  # more than one node cannot run locally
         "resources.gpus_per_node=1",  # no NVIDIA GPU on this machine
+        # numbers as their consumers read them (some gave a traceback, others overflowed on the job side)
+        "resources.mem_gb=inf",
+        "optim.lr=nan",
+        "trainer.pg_timeout_s=1e15",
+        "trainer.pg_timeout_s=1000000000000000",
+        "cluster.signal_lead_s=70000",
+        "resources.mem_gb=0.0001",  # would have rendered --mem=0M: the whole node
+        "+nccl.extra.NCCL_IB_DISABLE=maybe",
     ],
 )
 def test_bad_config_one_line_exit_2_no_run_dir(run_dir: Path, override: str) -> None:
@@ -32,6 +40,15 @@ def test_bad_config_one_line_exit_2_no_run_dir(run_dir: Path, override: str) -> 
     key = override.lstrip("+").split("=")[0]
     assert key.split(".")[-1] in lines[0]
     assert "Traceback" not in proc.stderr + proc.stdout
+    assert not run_dir.exists()
+
+
+def test_a_nccl_variable_set_twice_is_refused_naming_both_keys(run_dir: Path) -> None:
+    proc = submit(run_dir, "+experiment=rec", "cluster=local", "nccl.ib_disable=true", "+nccl.extra.NCCL_IB_DISABLE=0")
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("gpujobs: config error: nccl.extra.NCCL_IB_DISABLE='0'")
+    assert "nccl.ib_disable" in lines[0]
     assert not run_dir.exists()
 
 

@@ -1,14 +1,17 @@
 """Straggler detection and the Prometheus endpoint on a real 2-rank gloo job (submitit local executor).
 
-One job serves the module: rank 1 is slowed down by the debug knob, the endpoint picks a free port,
-and the test scrapes it over HTTP while the job is still up (the endpoint lingers a few seconds
-after the last step, so the final values are scrapable too).
+One job serves the module: rank 1 is slowed down by the debug knob, the endpoint picks a free port
+on the default address (loopback), and the test scrapes it over HTTP while the job is still up (the
+endpoint lingers a few seconds after the last step, so the final values are scrapable too) and reads
+the kernel's table of listening sockets to see which address it is bound to.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -21,6 +24,7 @@ from conftest import compose_job, read_metrics
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpujobs.errors import ConfigError
+from gpujobs.run.prometheus import PROMETHEUS_FILE, PrometheusExporter
 from gpujobs.run.straggler import Peer, StragglerCheck, imbalance
 
 TINY = ("+experiment=rec", "+debug=tiny", "cluster=local")
@@ -32,6 +36,26 @@ class SlowRun:
     returncode: int
     output: str
     scrapes: list[str]
+    listening: set[str]
+    """The local addresses of the sockets listening on the endpoint's port, seen while the job ran."""
+
+
+def _listening_addresses(port: int) -> set[str]:
+    """Addresses that sockets in LISTEN state are bound to on `port`, from /proc/net/tcp and tcp6."""
+    found: set[str] = set()
+    for table, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
+        if not os.path.exists(table):
+            continue
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            hex_addr, hex_port = local.split(":")
+            if state != "0A" or int(hex_port, 16) != port:  # 0A: TCP_LISTEN
+                continue
+            raw = bytes.fromhex(hex_addr)
+            # the kernel prints each 32-bit word in host (little-endian) order
+            words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+            found.add(socket.inet_ntop(family, words))
+    return found
 
 
 @pytest.fixture(scope="module")
@@ -43,11 +67,13 @@ def slow_run(tmp_path_factory: pytest.TempPathFactory) -> SlowRun:
     proc = subprocess.Popen(cmd, cwd=run_dir.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     scrapes: list[str] = []
+    listening: set[str] = set()
     deadline = time.monotonic() + 120
     while proc.poll() is None and time.monotonic() < deadline:
         info = run_dir / "prometheus.json"
         if info.exists():
             port = json.loads(info.read_text())["port"]
+            listening |= _listening_addresses(port)
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as response:
                     scrapes.append(response.read().decode())
@@ -55,7 +81,7 @@ def slow_run(tmp_path_factory: pytest.TempPathFactory) -> SlowRun:
                 pass
         time.sleep(0.3)
     output, _ = proc.communicate(timeout=60)
-    return SlowRun(run_dir, proc.returncode, output, scrapes)
+    return SlowRun(run_dir, proc.returncode, output, scrapes, listening)
 
 
 def test_straggler_is_named_in_metrics_and_logs(slow_run: SlowRun) -> None:
@@ -92,6 +118,29 @@ def test_prometheus_serves_labelled_job_metrics_while_the_job_runs(slow_run: Slo
         assert samples[("gpujobs_step_time_seconds", labels)] > 0
     slow = (("gpu", "cpu"), ("job", "rec"), ("node", node), ("rank", "1"))
     assert samples[("gpujobs_local_time_seconds", slow)] >= 0.08
+
+
+def test_prometheus_listens_on_loopback_by_default(slow_run: SlowRun) -> None:
+    assert slow_run.returncode == 0, slow_run.output
+    info = json.loads((slow_run.run_dir / PROMETHEUS_FILE).read_text())
+    assert info["addr"] == "127.0.0.1" and info["url"] == f"http://127.0.0.1:{info['port']}/metrics"
+    assert slow_run.listening == {"127.0.0.1"}  # the socket itself, not only what the file says
+    rank0_log = next((slow_run.run_dir / "submitit").glob("*_0_log.err")).read_text()
+    assert "listens on every interface" not in rank0_log
+
+
+def test_listening_on_every_interface_is_logged(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    exporter = PrometheusExporter("rec", [])
+    with caplog.at_level(logging.WARNING, logger="gpujobs.run.prometheus"):
+        url = exporter.start(0, "0.0.0.0", tmp_path)
+    try:
+        info = json.loads((tmp_path / PROMETHEUS_FILE).read_text())
+        assert _listening_addresses(info["port"]) == {"0.0.0.0"}
+    finally:
+        exporter.close()
+    assert any("listens on every interface" in r.getMessage() for r in caplog.records)
+    # a wildcard is no address to scrape: the URL names the node
+    assert info["addr"] == "0.0.0.0" and url == f"http://{socket.gethostname()}:{info['port']}/metrics"
 
 
 def test_imbalance_is_slowest_over_median() -> None:

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from gpujobs.nccl import NcclSettings
+from gpujobs.run import collectives
 from gpujobs.run.jobenv import DistInfo, export_torchrun_env
 
 
@@ -22,14 +23,35 @@ def device_for(info: DistInfo) -> torch.device:
     return torch.device("cpu")
 
 
+#: Set to 1 to make a one-rank job join a process group anyway (`bench/gpu_check.sh` sets it, so a
+#: one-GPU machine runs every collective through a real NCCL group). A check-only knob, not config.
+FORCE_GROUP_ENV = "GPUJOBS_FORCE_PROCESS_GROUP"
+
+
+def backend_for(cuda: bool) -> str:
+    """The process group's backend: device-aware `cpu:gloo,cuda:nccl` on CUDA, `gloo` on the CPU.
+
+    Why device-aware rather than plain `nccl` with every tensor copied to the GPU: DDP's gradient
+    buckets live on the GPU and go to NCCL either way, while the small host-side collectives (timing
+    rows, the stop flag, checkpoint agreement, object gathers) hold CPU data. Gloo takes them as they
+    are: no host-to-device copy and stream sync per call, no pickled objects on the GPU, and a barrier
+    that needs no guess at which GPU is this rank's. The helpers in `collectives` still place tensors
+    on a device the group serves, so a CUDA-only group (a user's `nccl`) works too.
+    """
+    return "cpu:gloo,cuda:nccl" if cuda else "gloo"
+
+
 def init_process_group(info: DistInfo, nccl: NcclSettings, timeout_s: int) -> Optional[str]:
-    """Apply NCCL settings, then join the group (nccl on CUDA, gloo otherwise); None for one rank."""
+    """Apply NCCL settings, then join the group (`backend_for`); returns the backend, or None when
+    there is one rank and `GPUJOBS_FORCE_PROCESS_GROUP` is not 1 (no group at all)."""
     os.environ.update(nccl.to_env())  # before the group exists: NCCL reads them at init
-    if info.world_size == 1:
+    if info.world_size == 1 and os.environ.get(FORCE_GROUP_ENV) != "1":
         return None
     export_torchrun_env(info)
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
+    cuda = torch.cuda.is_available()
+    backend = backend_for(cuda)
+    if cuda:
+        # the helpers and NCCL use the current device: each rank's own GPU, before the first collective
         torch.cuda.set_device(device_for(info))
     dist.init_process_group(
         backend=backend,
@@ -62,8 +84,4 @@ def gather_ranks(info: DistInfo) -> list[dict[str, Any]]:
         "node": info.node,
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
     }
-    if not dist.is_initialized():
-        return [mine]
-    everyone: list[Any] = [None] * info.world_size
-    dist.all_gather_object(everyone, mine)
-    return everyone
+    return collectives.all_gather_objects(mine)

@@ -4,7 +4,9 @@ Rank 0 has every rank's gathered timings, so one endpoint serves the whole job's
 throughput, per-rank step time and imbalance. GPU series come from the sampler in the same process,
 so they cover rank 0's node; other nodes' GPUs are in gpu.jsonl (every node's sampler appends there).
 With `telemetry.prometheus_port=0` the OS picks the port; the URL is always written to
-`<run_dir>/prometheus.json` so a scraper (or a test) can find it.
+`<run_dir>/prometheus.json` so a scraper (or a test) can find it. The endpoint listens on
+`telemetry.prometheus_addr` (loopback by default: the metrics name nodes and jobs); listening on
+every interface is logged as a warning.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from gpujobs.run.straggler import Peer
 log = logging.getLogger(__name__)
 
 PROMETHEUS_FILE = "prometheus.json"
+_ALL_INTERFACES = ("0.0.0.0", "::", "")
 _RANK_LABELS = ("job", "rank", "node", "gpu")
 _GPU_LABELS = ("job", "node", "gpu", "uuid", "rank")
 # gpu.jsonl field -> (metric name, help, scale to the metric's unit)
@@ -65,12 +68,25 @@ class PrometheusExporter:
         self._server: Any = None
 
     def start(self, port: int, addr: str, run_dir: Path) -> str:
-        """Serve on `port` (0: a free one); write the URL to prometheus.json; return the URL."""
-        server, _ = start_http_server(port, addr=addr, registry=self.registry)
+        """Serve on `addr`:`port` (0: a free port); write the URL to prometheus.json; return the URL.
+
+        The URL names the address the socket is bound to ("localhost" becomes 127.0.0.1), or the
+        node's host name when it listens on every interface (a wildcard is no address to scrape).
+        """
+        # "" means every interface, as in socket.bind; prometheus_client cannot resolve it
+        server, _ = start_http_server(port, addr=addr or "0.0.0.0", registry=self.registry)
         self._server = server
-        host = socket.gethostname() if addr in ("0.0.0.0", "::", "") else addr
+        bound = str(server.server_address[0])
+        if bound in _ALL_INTERFACES:
+            # anyone who can reach the node can read the job's metrics: say so where the user looks
+            log.warning("Prometheus endpoint listens on every interface (%r); set telemetry.prometheus_addr="
+                        "127.0.0.1 to keep it on this node", addr)
+            host = socket.gethostname()
+        else:
+            host = f"[{bound}]" if ":" in bound else bound
         url = f"http://{host}:{server.server_port}/metrics"
-        info = {"url": url, "port": server.server_port, "node": socket.gethostname(), "job": self.job_name}
+        info = {"url": url, "addr": bound, "port": server.server_port, "node": socket.gethostname(),
+                "job": self.job_name}
         write_text_atomic(run_dir / PROMETHEUS_FILE, json.dumps(info) + "\n")
         log.info("Prometheus metrics at %s", url)
         return url

@@ -1,0 +1,92 @@
+"""Every collective of gpujobs goes through here, on a device the process group's backend serves.
+
+A group made with `backend="nccl"` serves CUDA tensors only: a CPU tensor handed to it fails with "No
+backend type associated with device type cpu". gpujobs therefore makes its group device-aware on CUDA
+(`cpu:gloo,cuda:nccl`, see `distributed.backend_for`): DDP's gradient buckets, on the GPU, go to NCCL,
+and the small host-side collectives (timing, flags, checkpoint agreement) go to gloo without a
+device copy or a stream sync. These helpers still put each tensor on `collective_device(group)`, so a
+group that serves CUDA only (a user's `nccl` group, say) works too. No call site builds its own.
+
+Without a process group (one rank) every helper answers for this rank alone.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+
+def active() -> bool:
+    """Whether this process is in a process group."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def served_device_types(group: Optional[dist.ProcessGroup] = None) -> set[str]:
+    """The device types (`cpu`, `cuda`) that `group`'s backends take tensors on."""
+    pg = group if group is not None else dist.group.WORLD
+    return {device.type for device in pg._device_types}  # type: ignore[union-attr]
+
+
+def collective_device_type(group: Optional[dist.ProcessGroup] = None) -> str:
+    """`cpu` when a backend of `group` serves the CPU (no copy, no stream sync), else `cuda`."""
+    return "cpu" if "cpu" in served_device_types(group) else "cuda"
+
+
+def collective_device(group: Optional[dist.ProcessGroup] = None) -> torch.device:
+    """Where a small host-side tensor must be for a collective of `group`: the CPU when a backend of
+    the group serves it, else this rank's current CUDA device (set by `distributed.init_process_group`)."""
+    if collective_device_type(group) == "cpu":
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _reduce(values: torch.Tensor, op: Any) -> torch.Tensor:
+    if not active():
+        return values
+    placed = values.to(collective_device())
+    dist.all_reduce(placed, op=op)
+    return placed.cpu()
+
+
+def any_true(flag: bool) -> bool:
+    """True on every rank once any rank says true (one tiny all-reduce)."""
+    return bool(_reduce(torch.tensor([int(flag)], dtype=torch.int32), dist.ReduceOp.MAX).item())
+
+
+def all_true(flag: bool) -> bool:
+    """True on every rank only when every rank says true (one tiny all-reduce)."""
+    return bool(_reduce(torch.tensor([int(flag)], dtype=torch.int32), dist.ReduceOp.MIN).item())
+
+
+def all_gather_rows(row: torch.Tensor) -> torch.Tensor:
+    """Every rank's 1-D `row`, stacked in rank order on the CPU (shape: world size x len(row))."""
+    if not active():
+        return row.unsqueeze(0)
+    placed = row.to(collective_device())
+    gathered = [torch.zeros_like(placed) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, placed)
+    return torch.stack(gathered).cpu()
+
+
+def all_gather_objects(obj: Any) -> list[Any]:
+    """Every rank's picklable `obj`, in rank order."""
+    if not active():
+        return [obj]
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, obj)
+    return everyone
+
+
+def barrier() -> None:
+    """Wait until every rank is here."""
+    if not active():
+        return
+    device = collective_device()
+    if device.type == "cpu":
+        dist.barrier()  # torch sends it to the CPU backend when the group has one
+    else:
+        # Without device_ids torch guesses the GPU (rank % device count) and warns; a wrong guess
+        # makes NCCL build a second communicator on another rank's GPU, or hang.
+        dist.barrier(device_ids=[device.index])
