@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpujobs.atomic import fsync_path, read_jsonl
+from gpujobs.atomic import fsync_path, read_jsonl, write_text_atomic
 from gpujobs.config import ClusterConfig
 
 ATTEMPTS_FILE = "attempts.jsonl"
@@ -70,6 +70,12 @@ class AttemptLog:
         decision = RequeuePolicy.of(cluster).decide(history, record["reason"])
         self.append({"attempt": len(history) + 1, **record, "requeue": decision.requeue, "why": decision.why})
         return len(history) + 1, decision
+
+    def amend_last(self, changes: dict[str, Any]) -> None:
+        """Update the last attempt's line in place (atomically: the file is rewritten whole)."""
+        lines = self.read()
+        lines[-1].update(changes)
+        write_text_atomic(self.path, "".join(json.dumps(line, sort_keys=True) + "\n" for line in lines))
 
     def append(self, record: dict[str, Any]) -> None:
         """Add one attempt's line, durably."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 import subprocess
 import sys
 import time
@@ -61,6 +62,22 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+#: 60 slowed steps (~3 s) on 2 ranks: long enough to interrupt mid-run, short enough for CI.
+SLOW = (
+    "+experiment=rec", "+debug=tiny", "cluster=local", "trainer.max_steps=60", "checkpoint.every_steps=10",
+    "telemetry.debug_slow_rank=0", "telemetry.debug_slow_ms=40",
+)
+
+
+@pytest.fixture(scope="session")
+def straight_digest(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The `param_digest` of an uninterrupted run of SLOW: what every interrupted run must end with."""
+    run_dir = tmp_path_factory.mktemp("straight") / "run"
+    proc = submit(run_dir, *SLOW)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return str(read_result(run_dir)["param_digest"])
+
+
 @pytest.fixture
 def run_dir(tmp_path: Path) -> Path:
     """A fresh run directory path (not created: the CLI creates it)."""
@@ -68,10 +85,18 @@ def run_dir(tmp_path: Path) -> Path:
 
 
 def _slurm_conf() -> str | None:
-    for candidate in (os.environ.get("SLURM_CONF"), "/tmp/gpujobs-slurm/etc/slurm.conf"):
-        if candidate and Path(candidate).is_file():
-            return candidate
-    return None
+    """SLURM_CONF, else the default cluster of scripts/local-slurm.sh when this user made it: root's Slurm
+    commands must not read a slurm.conf that someone else planted in /tmp."""
+    if os.environ.get("SLURM_CONF"):
+        return os.environ["SLURM_CONF"] if Path(os.environ["SLURM_CONF"]).is_file() else None
+    default = Path("/tmp/gpujobs-slurm")
+    try:
+        info = default.lstat()
+    except OSError:
+        return None
+    ours = stat.S_ISDIR(info.st_mode) and info.st_uid == os.geteuid() and stat.S_IMODE(info.st_mode) == 0o700
+    conf = default / "etc" / "slurm.conf"
+    return str(conf) if ours and conf.is_file() else None
 
 
 @pytest.fixture(scope="session")

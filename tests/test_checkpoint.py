@@ -1,14 +1,15 @@
-"""CheckpointManager: round trip, atomicity, retention, and a failing save that loses nothing."""
+"""CheckpointManager on one rank: round trip, verification, retention, and failing saves that lose nothing."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from gpujobs.run.checkpoint import MARKER, CheckpointManager
+from gpujobs.run.checkpoint import MARKER, CheckpointManager, CheckpointNotSaved
 
 
 def state(step: int) -> dict[str, Any]:
@@ -16,62 +17,94 @@ def state(step: int) -> dict[str, Any]:
     return {"model": {"w": torch.randn(4, 3)}, "step": step, "config": {"name": "t", "lr": 0.1}}
 
 
+def save(manager: CheckpointManager, step: int) -> Path:
+    return manager.save(step, lambda: state(step), {"rng": torch.full((3,), float(step))})
+
+
 def test_round_trip_keeps_tensors_and_plain_values(tmp_path: Path) -> None:
     manager = CheckpointManager(tmp_path / "ck", every_steps=10, keep=2)
-    saved = state(10)
-    path = manager.save(10, lambda: saved, {"rng": torch.get_rng_state()})
-    assert path is not None and (path / MARKER).is_file()
-    loaded = manager.load_latest()
-    assert loaded is not None
-    assert loaded["step"] == 10
-    assert torch.equal(loaded["shared"]["model"]["w"], saved["model"]["w"])
-    assert loaded["shared"]["config"] == saved["config"]
-    assert torch.equal(loaded["rank"]["rng"], torch.get_rng_state())
+    rng = torch.get_rng_state()
+    path = manager.save(10, lambda: state(10), {"rng": rng}, {"world_size": 1})
+    assert (path / MARKER).is_file()
+    loaded, skipped = manager.load_latest()
+    assert loaded is not None and skipped == []
+    assert loaded.step == 10 and loaded.path == str(path) and loaded.meta["world_size"] == 1
+    assert torch.equal(loaded.shared["model"]["w"], state(10)["model"]["w"])
+    assert loaded.shared["config"] == state(10)["config"]
+    assert torch.equal(loaded.own["rng"], rng)
+
+
+def test_the_marker_lists_every_file_with_size_and_checksum(tmp_path: Path) -> None:
+    path = save(CheckpointManager(tmp_path / "ck", every_steps=1, keep=1), 3)
+    files = json.loads((path / MARKER).read_text())["files"]
+    assert sorted(files) == ["rank_0.pt", "state.pt"]
+    for name, entry in files.items():
+        assert entry["size"] == (path / name).stat().st_size and isinstance(entry["crc32"], int)
 
 
 def test_keeps_only_the_last_k(tmp_path: Path) -> None:
     manager = CheckpointManager(tmp_path / "ck", every_steps=1, keep=2)
     for step in (1, 2, 3, 4):
-        manager.save(step, lambda s=step: state(s), {})
+        save(manager, step)
     assert manager.complete_steps() == [3, 4]
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step_00000003", "step_00000004"]
 
 
+def test_pruning_never_removes_the_checkpoint_just_published(tmp_path: Path) -> None:
+    manager = CheckpointManager(tmp_path / "ck", every_steps=1, keep=1)
+    save(manager, 300)  # a newer step than the run now saving (another life of the run dir)
+    save(manager, 10)
+    assert manager.complete_steps() == [10, 300]
+
+
 def test_a_directory_without_marker_is_never_loaded(tmp_path: Path) -> None:
     manager = CheckpointManager(tmp_path / "ck", every_steps=1, keep=3)
-    manager.save(1, lambda: state(1), {})
+    save(manager, 1)
     torn = manager.path_for(2)
     torn.mkdir()
     (torn / "state.pt").write_bytes(b"half a file")
-    loaded = manager.load_latest()
-    assert loaded is not None and loaded["step"] == 1
-    manager.save(3, lambda: state(3), {})  # the next save sweeps the torn one away
+    loaded, _ = manager.load_latest()
+    assert loaded is not None and loaded.step == 1
+    save(manager, 3)  # the next save sweeps the torn one away
     assert not torn.exists()
     assert manager.complete_steps() == [1, 3]
 
 
-def test_failing_save_leaves_the_previous_checkpoint_intact(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_failing_save_publishes_nothing_and_names_the_last_good_step(tmp_path: Path) -> None:
     manager = CheckpointManager(tmp_path / "ck", every_steps=1, keep=1)
-    manager.save(1, lambda: state(1), {})
+    save(manager, 1)
 
     def explode() -> dict[str, Any]:
         raise OSError(28, "No space left on device")
 
-    assert manager.save(2, explode, {}) is None
-    assert "not saved" in caplog.text and "No space left" in caplog.text
+    with pytest.raises(CheckpointNotSaved) as err:
+        manager.save(2, explode, {})
+    assert "step 2 not saved" in str(err.value) and "No space left" in str(err.value)
+    assert "last good: step 1" in str(err.value)
     assert manager.complete_steps() == [1]
-    loaded = manager.load_latest()
-    assert loaded is not None and torch.equal(loaded["shared"]["model"]["w"], state(1)["model"]["w"])
+    loaded, _ = manager.load_latest()
+    assert loaded is not None and torch.equal(loaded.shared["model"]["w"], state(1)["model"]["w"])
     assert [p.name for p in (tmp_path / "ck").iterdir()] == ["step_00000001"]
 
 
-def test_unreadable_complete_checkpoint_falls_back_to_an_older_one(tmp_path: Path) -> None:
+@pytest.mark.parametrize("damage", ["flip", "truncate", "remove"])
+def test_a_damaged_newest_checkpoint_falls_back_and_says_so(tmp_path: Path, damage: str) -> None:
     manager = CheckpointManager(tmp_path / "ck", every_steps=1, keep=3)
-    manager.save(1, lambda: state(1), {})
-    manager.save(2, lambda: state(2), {})
-    (manager.path_for(2) / "state.pt").write_bytes(b"corrupted")
-    loaded = manager.load_latest()
-    assert loaded is not None and loaded["step"] == 1
+    save(manager, 1)
+    save(manager, 2)
+    victim = manager.path_for(2) / "rank_0.pt"
+    data = bytearray(victim.read_bytes())
+    if damage == "flip":  # same size, one byte in the middle: only the checksum sees it
+        data[len(data) // 2] ^= 0xFF
+        victim.write_bytes(bytes(data))
+    elif damage == "truncate":
+        victim.write_bytes(bytes(data[:-10]))
+    else:
+        victim.unlink()
+    loaded, skipped = manager.load_latest()
+    assert loaded is not None and loaded.step == 1
+    assert [s["step"] for s in skipped] == [2] and "rank 0: " in skipped[0]["why"]
+    assert "rank_0.pt" in skipped[0]["why"]
 
 
 def test_policy_saves_on_cadence_and_at_the_end(tmp_path: Path) -> None:
@@ -83,13 +116,12 @@ def test_policy_saves_on_cadence_and_at_the_end(tmp_path: Path) -> None:
 
 def test_loading_refuses_pickled_code(tmp_path: Path) -> None:
     manager = CheckpointManager(tmp_path / "ck", every_steps=1, keep=2)
-    manager.save(1, lambda: state(1), {})
+    save(manager, 1)
 
     class Evil:
         def __reduce__(self) -> tuple[Any, ...]:
             return (print, ("pwned",))
 
-    path = manager.save(2, lambda: {"payload": Evil()}, {})
-    assert path is not None
-    loaded = manager.load_latest()  # weights_only=True rejects step 2 and falls back
-    assert loaded is not None and loaded["step"] == 1
+    manager.save(2, lambda: {"payload": Evil()}, {})
+    loaded, skipped = manager.load_latest()  # weights_only=True rejects step 2 and falls back
+    assert loaded is not None and loaded.step == 1 and [s["step"] for s in skipped] == [2]

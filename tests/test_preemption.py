@@ -11,25 +11,10 @@ import signal
 import time
 from pathlib import Path
 
-import pytest
-from conftest import read_result, submit
+from conftest import SLOW, read_result, submit
 from jobctl import RunningJob, attempts
 
 from gpujobs.run.preemption import PreemptionWatcher, catch_early
-
-# 60 slowed steps (~3 s): long enough to interrupt mid-run, short enough for CI.
-SLOW = (
-    "+experiment=rec", "+debug=tiny", "cluster=local", "trainer.max_steps=60", "checkpoint.every_steps=10",
-    "telemetry.debug_slow_rank=0", "telemetry.debug_slow_ms=40",
-)
-
-
-@pytest.fixture(scope="module")
-def straight_digest(tmp_path_factory: pytest.TempPathFactory) -> str:
-    run_dir = tmp_path_factory.mktemp("straight") / "run"
-    proc = submit(run_dir, *SLOW)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return str(read_result(run_dir)["param_digest"])
 
 
 def test_usr2_to_one_rank_stops_all_at_the_same_step_and_loses_nothing(tmp_path: Path, straight_digest: str) -> None:

@@ -40,7 +40,9 @@ def slurm_rank_pids(job_id: str) -> dict[int, int]:
     for proc in Path("/proc").glob("[0-9]*"):
         try:
             args = (proc / "cmdline").read_bytes().split(b"\0")
-            if not (Path(args[0].decode()).name.startswith("python") and b"gpujobs.run.start" in args):
+            # a rank runs `python -u -m gpujobs.run.start`; the supervisor names it only after its own module
+            module = args[args.index(b"-m") + 1] if b"-m" in args else b""
+            if not (Path(args[0].decode()).name.startswith("python") and module == b"gpujobs.run.start"):
                 continue
             environ = dict(item.split(b"=", 1) for item in (proc / "environ").read_bytes().split(b"\0") if b"=" in item)
         except (OSError, IndexError, UnicodeDecodeError):
@@ -138,4 +140,48 @@ def test_time_limit_requeues_until_done(tmp_path: Path, slurm: dict[str, str], r
     assert job.wait(timeout=480) == 0, job.output()
     story = check_story(run_dir, "timeout")
     assert {line["reason"] for line in story[:-1]} == {"timeout"}
+    assert read_result(run_dir)["param_digest"] == reference_digest
+
+
+def test_rank_0_killed_is_recorded_by_the_supervisor_and_requeued(
+    tmp_path: Path, slurm: dict[str, str], reference_digest: str
+) -> None:
+    run_dir = tmp_path / "run"
+    job = RunningJob(run_dir, *ON_SLURM, "telemetry.debug_slow_ms=40", "cluster.max_restarts=1", env=slurm)
+    job.wait_for_step(60)  # checkpoint 50 is published
+    job_id = slurm_job_id(job.output())
+    os.kill(slurm_rank_pids(job_id)[0], signal.SIGKILL)  # rank 0 can record nothing
+    assert job.wait(timeout=240) == 0, job.output()
+    failed, completed = attempts(run_dir)
+    assert failed["reason"] == "failed" and failed["recorded_by"] == "supervisor", failed
+    assert "rank 0 on " in failed["error"] and "Killed" in failed["error"], failed
+    assert failed["requeue"] is True and failed["job_id"] == job_id
+    assert completed["reason"] == "completed" and completed["resumed_from"].endswith("step_00000050")
+    assert read_result(run_dir)["param_digest"] == reference_digest
+
+
+def test_a_requeue_that_fails_once_is_retried_with_one_attempt_line(
+    tmp_path: Path, slurm: dict[str, str], reference_digest: str
+) -> None:
+    failed_once = tmp_path / "scontrol-failed-once"
+    wrapper = tmp_path / "bin" / "scontrol"  # a busy controller: the first `scontrol requeue` fails
+    wrapper.parent.mkdir()
+    wrapper.write_text(
+        "#!/bin/sh\n"
+        f'if [ "$1" = requeue ] && [ ! -e {failed_once} ]; then\n'
+        f"  : > {failed_once}; echo 'slurm_requeue error: Socket timed out on send/recv operation' >&2; exit 1\n"
+        "fi\n"
+        "exec /usr/bin/scontrol \"$@\"\n"
+    )
+    wrapper.chmod(0o755)
+    run_dir = tmp_path / "run"
+    path = f"{wrapper.parent}:{os.environ['PATH']}"
+    job = RunningJob(run_dir, *ON_SLURM, "telemetry.debug_slow_ms=40", env={**slurm, "PATH": path})
+    job.wait_for_step(30)
+    job_id = slurm_job_id(job.output())
+    subprocess.run(["scancel", "--signal=USR2", job_id], check=True, env={**os.environ, **slurm})
+    assert job.wait(timeout=180) == 0, job.output()
+    assert failed_once.exists()  # the first requeue really failed
+    story = check_story(run_dir, "preempted")
+    assert [line["reason"] for line in story] == ["preempted", "completed"]
     assert read_result(run_dir)["param_digest"] == reference_digest

@@ -2,12 +2,50 @@
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import shutil
 from pathlib import Path
 from typing import Any, Optional
 
 from gpujobs.config import JobConfig
 from gpujobs.errors import ConfigError
 from gpujobs.launch.rundir import write_config
+from gpujobs.validate import check_slurm_path
+
+
+def resolve_cluster_name(name: str) -> str:
+    """`auto` → slurm when this machine can submit to Slurm, else local."""
+    if name != "auto":
+        return name
+    has_conf = bool(os.environ.get("SLURM_CONF")) or os.path.exists("/etc/slurm/slurm.conf")
+    return "slurm" if shutil.which("sbatch") and has_conf else "local"
+
+
+def resolve_cluster(job: JobConfig) -> JobConfig:
+    """`job` with `cluster=auto` replaced by the cluster this machine submits to (a copy; `job` if not auto).
+
+    Probing the machine is the submit side's business: `load_config` also reads a run dir's config.yaml
+    on the job side, which holds the name picked here.
+    """
+    name = resolve_cluster_name(job.cluster.name)
+    if name == job.cluster.name:
+        return job
+    return dataclasses.replace(job, cluster=dataclasses.replace(job.cluster, name=name))
+
+
+def check_paths(job: JobConfig, run_dir: Path, sweep_dir: Optional[Path] = None) -> None:
+    """Refuse run-dir paths that Slurm would misread (ConfigError naming the Hydra key), before any write.
+
+    Control characters are refused for every cluster; `%` and `\\` where the job goes to Slurm, which
+    expands the one in its log paths and drops the other from `#SBATCH` lines. In a sweep, `run_dir` is
+    the point's dir under `sweep_dir`.
+    """
+    slurm = job.cluster.name == "slurm"
+    if sweep_dir is not None:
+        check_slurm_path("hydra.sweep.dir", sweep_dir, slurm=slurm)
+    check_slurm_path("hydra.run.dir" if sweep_dir is None else "hydra.sweep.subdir", run_dir, slurm=slurm)
+    check_slurm_path("cluster.folder", job.cluster.folder, slurm=slurm)
 
 
 def _preflight_cluster(job: JobConfig, cache: Optional[dict[Any, Any]]) -> None:
@@ -34,7 +72,10 @@ def preflight(job: JobConfig, cache: Optional[dict[Any, Any]] = None) -> None:
 
 def launch(job: JobConfig, run_dir: Path) -> int:
     """Preflight, then start the job (or, for a dry run, print its script); returns the exit code."""
+    from gpujobs.resume import check_run_dir
+
     preflight(job)
+    check_run_dir(job, run_dir)  # a run dir with checkpoints resumes only the same run
     if job.cluster.dry_run:
         from gpujobs.launch.rundir import discard_if_empty
         from gpujobs.launch.slurm import single_executor
@@ -46,7 +87,12 @@ def launch(job: JobConfig, run_dir: Path) -> int:
 
 
 def start(job: JobConfig, run_dir: Path) -> int:
-    """Write the run dir's config, then run or submit the already checked job; returns the exit code."""
+    """Take the run dir's lease, write its config, then run or submit the already checked job; returns
+    the exit code. Raises LeaseHeld, before anything is written, when another live job runs the run dir."""
+    from gpujobs import lease
+
+    # this launcher's; a Slurm submission hands it to the job it queues
+    lease.acquire(run_dir, lease.here(submitting=job.cluster.name == "slurm"))
     write_config(run_dir, job)
     if job.cluster.name == "debug":
         from gpujobs.launch.debug import run_debug

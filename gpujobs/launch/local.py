@@ -75,7 +75,7 @@ def run_local(job: JobConfig, run_dir: Path) -> int:
             error = follower.follow(sjob)
             if error is None:
                 return 0
-            reason, decision = _judge_attempt(job, attempts, before, error)
+            reason, decision, error = _judge_attempt(job, attempts, before, error)
             if not decision.requeue:
                 print(f"gpujobs: job ended: {reason}, {decision.why}; last error: {error}")
                 print(f"gpujobs: per-rank logs in {executor.folder}")
@@ -84,11 +84,15 @@ def run_local(job: JobConfig, run_dir: Path) -> int:
     raise AssertionError("unreachable")
 
 
-def _judge_attempt(job: JobConfig, attempts: AttemptLog, before: int, error: str) -> tuple[str, Decision]:
-    """Rank 0 records each attempt it survives; if it died first, the launcher records the failure."""
+def _judge_attempt(job: JobConfig, attempts: AttemptLog, before: int, error: str) -> tuple[str, Decision, str]:
+    """Rank 0 records each attempt it survives; if it died first, the launcher records the failure.
+
+    Returns the attempt's reason, the decision, and its error: rank 0's own words where it recorded
+    them (submitit's last line may only name a log file).
+    """
     history = attempts.read()
     if len(history) > before:
         last = history[-1]
-        return last["reason"], Decision(bool(last.get("requeue")), str(last.get("why")))
+        return last["reason"], Decision(bool(last.get("requeue")), str(last.get("why"))), last.get("error") or error
     _, decision = attempts.record(job.cluster, {"reason": "failed", "error": error, "recorded_by": "launcher"})
-    return "failed", decision
+    return "failed", decision, error

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import shlex
 import sys
 from dataclasses import dataclass
@@ -18,11 +17,10 @@ from typing import Optional
 import jinja2
 
 from gpujobs.config import JobConfig
+from gpujobs.resources import template_dir
 
-#: sbatch_templates/ at the repository root; GPUJOBS_SBATCH_TEMPLATES points elsewhere.
-TEMPLATE_DIR = Path(
-    os.environ.get("GPUJOBS_SBATCH_TEMPLATES") or Path(__file__).resolve().parents[2] / "sbatch_templates"
-)
+#: sbatch_templates/ (the checkout's or the wheel's copy); GPUJOBS_SBATCH_TEMPLATES points elsewhere.
+TEMPLATE_DIR = template_dir()
 TEMPLATE = "job.sbatch.j2"
 
 
@@ -36,6 +34,9 @@ class SbatchRequest:
     stderr: str
     command: str
     signal_lead_s: int
+    supervisor: str = ""
+    """What the batch step runs the srun line under (`gpujobs.run.supervise`): it records the attempts
+    that the ranks could not."""
 
     def __repr__(self) -> str:
         return render_sbatch(self)
@@ -76,7 +77,15 @@ def sbatch_request(job: JobConfig, folder: Path, command: str, *, array: Optiona
         stderr=f"{log_stem}_%t_log.err",
         command=command,
         signal_lead_s=cluster.signal_lead_s,
+        supervisor=supervisor_command(command),
     )
+
+
+def supervisor_command(command: str) -> str:
+    """The batch step's supervisor, run by the interpreter that runs the ranks (the command's first word)."""
+    words = shlex.split(command)
+    python = words[0] if words else sys.executable
+    return " ".join(shlex.quote(arg) for arg in (python, "-u", "-m", "gpujobs.run.supervise", "--"))
 
 
 def job_command(folder: Path, *, run_dir: Optional[Path] = None, points: Optional[Path] = None) -> str:

@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 import submitit
 
+from gpujobs import lease
 from gpujobs.atomic import FsyncBatch, write_text_atomic
 from gpujobs.config import JobConfig
 from gpujobs.errors import SubmitError
@@ -84,9 +85,14 @@ def keep_script(run_dir: Path, job: JobConfig, batch: Optional[FsyncBatch] = Non
 
 
 def submit_slurm(job: JobConfig, run_dir: Path) -> Any:
-    """Queue the run dir's job; keep the exact script as `submit.sbatch`; return submitit's job."""
+    """Queue the run dir's job; keep the exact script as `submit.sbatch`; return submitit's job.
+
+    The run dir's lease passes to the new job; LeaseHeld when another live job holds it.
+    """
+    lease.check_free(run_dir, lease.here())
     executor = single_executor(job, run_dir)
     sjob = executor.submit_script()[0]
+    lease.replace(run_dir, lease.here(sjob.job_id))
     write_text_atomic(run_dir / SBATCH_FILE, sjob.paths.submission_file.read_text())
     record_submission(run_dir, sjob.job_id, executor.folder)
     return sjob

@@ -6,6 +6,7 @@ This module imports torch only inside `__call__`, so the submit side can build a
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import os
@@ -41,31 +42,47 @@ class TrainJob:
     """Draw progress in this process (the in-process debug executor)."""
 
     def __call__(self) -> dict[str, Any]:
-        from gpujobs.run.preemption import EXIT_REQUEUED, PreemptionWatcher, classify_stop, record_attempt
+        from gpujobs.run.preemption import PreemptionWatcher
 
         watcher = PreemptionWatcher().install()  # first, before torch loads: a USR2 from now on is ours
         started = time.time()
-        import torch
-
-        from gpujobs.atomic import write_json_atomic
-        from gpujobs.progress import ProgressView
-        from gpujobs.run import distributed, jobenv
-        from gpujobs.run.checkpoint import CheckpointManager
-        from gpujobs.run.metrics import MetricsLog
-        from gpujobs.run.telemetry import Telemetry
-        from gpujobs.run.trainer import Trainer, seed_everything
+        from gpujobs.run import jobenv
 
         logging.basicConfig(level=logging.INFO, format="[%(asctime)s][rank %(rank)s] %(message)s")
         info = jobenv.detect(self.master_port)
         _tag_log_records(info.rank)
+        attempt = _Attempt(self.job, self.run_dir, info.is_main, started)
+        with contextlib.ExitStack() as cleanup:
+            cleanup.callback(watcher.uninstall)
+            try:
+                return self._run(info, watcher, attempt, cleanup)
+            except Exception as err:  # everything from the process group on is inside the recorded attempt
+                attempt.failed(err)
+                raise
+
+    def _run(self, info: Any, watcher: Any, attempt: _Attempt, cleanup: contextlib.ExitStack) -> dict[str, Any]:
+        import torch
+
+        from gpujobs.atomic import write_json_atomic
+        from gpujobs.progress import ProgressView
+        from gpujobs.run import distributed
+        from gpujobs.run.checkpoint import CheckpointManager
+        from gpujobs.run.metrics import MetricsLog
+        from gpujobs.run.preemption import EXIT_REQUEUED, classify_stop, record_attempt
+        from gpujobs.run.telemetry import Telemetry
+        from gpujobs.run.trainer import Trainer, seed_everything
+
         job, run_dir = self.job, Path(self.run_dir)
         torch.set_num_threads(job.resources.cpus_per_task)
         if job.trainer.deterministic:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True, warn_only=True)
         backend = distributed.init_process_group(info, job.nccl, job.trainer.pg_timeout_s)
+        cleanup.callback(distributed.destroy_process_group)
+        cleanup.callback(attempt.drop)  # first: no DDP wrapper may outlive the process group
         device = distributed.device_for(info)
-        log.info("rank %d/%d on %s (%s, backend %s)", info.rank, info.world_size, info.node, device, backend)
+        group = f"backend {backend}" if backend else "one rank, no process group"
+        log.info("rank %d/%d on %s (%s, %s)", info.rank, info.world_size, info.node, device, group)
         if watcher.flagged:
             log.warning("USR2 came while this rank was starting: it stops at the first agreed step boundary")
         log.info("NCCL environment: %s", {key: os.environ[key] for key in sorted(job.nccl.to_env())})
@@ -73,58 +90,73 @@ class TrainJob:
             log.warning("GPUs were requested but CUDA is not available here: training on the CPU with gloo")
         ranks = distributed.gather_ranks(info)
         metrics = MetricsLog(run_dir / METRICS_FILE if info.is_main else None)
+        cleanup.callback(metrics.close)
         view = ProgressView(job.trainer.max_steps, job.name, enabled=self.show_progress and info.is_main)
+        cleanup.callback(view.close)
         telemetry = Telemetry.start(job, info, ranks, device.type == "cuda", run_dir)
-        trainer: Optional[Trainer] = None
-        task: Any = None
+        cleanup.callback(telemetry.close)
+        seed_everything(job.trainer.seed)
+        build = load_task_builder(job.task)
+        attempt.task = build(job.model, job.data, info.rank, info.world_size, job.trainer.grad_accum)
+        ckpt = job.checkpoint
+        checkpoints = CheckpointManager(run_dir / CHECKPOINT_DIR, ckpt.every_steps, ckpt.keep, info.rank)
+        attempt.trainer = Trainer(
+            job, info, device, attempt.task, checkpoints, metrics,
+            on_step=lambda _, r: view.update(r), telemetry=telemetry, preemption=watcher,
+        )
+        result = attempt.trainer.fit()
+        result["ranks"] = ranks
+        line = {
+            "start": round(attempt.started, 3), "start_step": result["start_step"], "steps_done": result["steps"],
+            "resumed_from": result["resumed_from"], "saved": result["saved"],
+            **({"resume_skipped": result["resume_skipped"]} if "resume_skipped" in result else {}),
+        }
+        if result["status"] == "preempted":
+            reason = classify_stop(job, attempt.started, watcher.flagged_at)
+            if info.is_main:
+                record_attempt(self.run_dir, job, {"reason": reason, **line})
+            log.warning("stopped at step %d (%s): checkpoint saved, exiting", result["steps"], reason)
+            raise SystemExit(EXIT_REQUEUED)  # like submitit: no result pickle, the job is not over
+        if info.is_main:
+            record_attempt(self.run_dir, job, {"reason": "completed", **line})
+            write_json_atomic(run_dir / RESULT_FILE, result)
+        return result
+
+
+@dataclass
+class _Attempt:
+    """What this rank knows of its attempt: rank 0 writes the attempt's line when it fails."""
+
+    job: JobConfig
+    run_dir: str
+    is_main: bool
+    started: float
+    trainer: Any = None
+    task: Any = None
+
+    def failed(self, err: Exception) -> None:
+        """Rank 0: record the failed attempt (and requeue, if its budget allows)."""
+        if not self.is_main:
+            return
+        from gpujobs.run.preemption import record_attempt
+
+        message = str(err).strip().splitlines()
+        trainer = self.trainer
+        record = {
+            "reason": "failed", "start": round(self.started, 3),
+            "steps_done": trainer.step if trainer is not None else None,
+            "resumed_from": trainer.resumed_from if trainer is not None else None,
+            **({"resume_skipped": trainer.resume_skipped} if trainer is not None and trainer.resume_skipped else {}),
+            "error": f"{type(err).__name__}: {message[0] if message else ''}",
+        }
         try:
-            seed_everything(job.trainer.seed)
-            build = load_task_builder(job.task)
-            task = build(job.model, job.data, info.rank, info.world_size, job.trainer.grad_accum)
-            checkpoints = CheckpointManager(
-                run_dir / CHECKPOINT_DIR, job.checkpoint.every_steps, job.checkpoint.keep, info.rank
-            )
-            trainer = Trainer(
-                job, info, device, task, checkpoints, metrics,
-                on_step=lambda _, r: view.update(r), telemetry=telemetry, preemption=watcher,
-            )
-            result = trainer.fit()
-            result["ranks"] = ranks
-            attempt = {
-                "start": round(started, 3), "start_step": result["start_step"], "steps_done": result["steps"],
-                "resumed_from": result["resumed_from"], "saved": result["saved"],
-            }
-            if result["status"] == "preempted":
-                reason = classify_stop(job, started, watcher.flagged_at)
-                if info.is_main:
-                    record_attempt(self.run_dir, job, {"reason": reason, **attempt})
-                log.warning("stopped at step %d (%s): checkpoint saved, exiting", result["steps"], reason)
-                raise SystemExit(EXIT_REQUEUED)  # like submitit: no result pickle, the job is not over
-            if info.is_main:
-                record_attempt(self.run_dir, job, {"reason": "completed", **attempt})
-                write_json_atomic(run_dir / RESULT_FILE, result)
-            return result
-        except Exception as err:
-            if info.is_main:
-                message = str(err).strip().splitlines()
-                failed = {
-                    "reason": "failed", "start": round(started, 3),
-                    "steps_done": trainer.step if trainer is not None else None,
-                    "resumed_from": trainer.resumed_from if trainer is not None else None,
-                    "error": f"{type(err).__name__}: {message[0] if message else ''}",
-                }
-                try:
-                    record_attempt(self.run_dir, job, failed)
-                except Exception as record_err:  # never hide the real failure behind this one
-                    log.error("could not record the failed attempt: %s", record_err)
-            raise
-        finally:
-            trainer = task = None  # drop the DDP wrapper while the process group is still alive
-            watcher.uninstall()
-            telemetry.close()
-            view.close()
-            metrics.close()
-            distributed.destroy_process_group()
+            record_attempt(self.run_dir, self.job, record)
+        except Exception as record_err:  # never hide the real failure behind this one
+            log.error("could not record the failed attempt: %s", record_err)
+
+    def drop(self) -> None:
+        """Let go of the trainer and the task (and with them the DDP wrapper)."""
+        self.trainer = self.task = None
 
 
 def _tag_log_records(rank: int) -> None:

@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 EXIT_REQUEUED = 75
 # A USR2 this close to the time limit (beyond the signal lead) means the time limit, not preemption.
 _TIMEOUT_SLACK_S = 60
+# scontrol requeue: tries, 1 + 2 + 4 + 8 s apart
+_REQUEUE_TRIES = 5
 
 
 # signal number → when it first came, for signals caught before any watcher was installed
@@ -81,16 +83,9 @@ class PreemptionWatcher:
 
     def should_stop(self) -> bool:
         """True on every rank once any rank got the signal (a collective: call it on all ranks)."""
-        import torch
-        import torch.distributed as dist
+        from gpujobs.run import collectives  # imports torch: only once the ranks agree
 
-        if not dist.is_initialized():
-            return self.flagged
-        flag = torch.tensor([1 if self.flagged else 0], dtype=torch.int32)
-        if dist.get_backend() == "nccl":
-            flag = flag.cuda()
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return collectives.any_true(self.flagged)
 
 
 def classify_stop(job: JobConfig, attempt_started: float, signalled_at: Optional[float]) -> str:
@@ -101,17 +96,48 @@ def classify_stop(job: JobConfig, attempt_started: float, signalled_at: Optional
 
 
 def record_attempt(run_dir: str, job: JobConfig, record: dict[str, Any]) -> Decision:
-    """Rank 0: decide whether to go again, write the attempt's line, and requeue on Slurm if so."""
-    job_id = _slurm_job_id()
-    number, decision = AttemptLog(Path(run_dir)).record(job.cluster, {**record, "job_id": job_id})
+    """Rank 0: decide whether to go again, write the attempt's line, and requeue on Slurm if so.
+
+    The line is written before `scontrol requeue`, which ends this job instance; a requeue that still
+    fails after its retries amends that same line, so each attempt keeps exactly one.
+    """
+    job_id = slurm_job_id()
+    attempts = AttemptLog(Path(run_dir))
+    number, decision = attempts.record(job.cluster, {**record, "job_id": job_id})
     log.warning("attempt %d ended: %s; %s", number, record["reason"], decision.why)
     if decision.requeue and job_id is not None and job.cluster.name == "slurm":
-        subprocess.run(["scontrol", "requeue", job_id], check=True, timeout=60)
-        log.warning("requeued Slurm job %s", job_id)
+        error = requeue(job_id)
+        if error is None:
+            log.warning("requeued Slurm job %s", job_id)
+        else:
+            decision = Decision(False, f"{decision.why}, but the requeue failed: {error}")
+            attempts.amend_last({"requeue": False, "why": decision.why})
+            log.error("attempt %d: %s", number, decision.why)
     return decision
 
 
-def _slurm_job_id() -> Optional[str]:
+def requeue(job_id: str, tries: int = _REQUEUE_TRIES) -> Optional[str]:
+    """`scontrol requeue job_id`, retried with backoff (a busy controller refuses now and then);
+    None once it worked, else the last error."""
+    error = ""
+    for attempt in range(tries):
+        if attempt:
+            time.sleep(2 ** (attempt - 1))
+        try:
+            proc = subprocess.run(
+                ["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60, check=False
+            )
+        except (OSError, subprocess.TimeoutExpired) as err:
+            error = str(err)
+            continue
+        if proc.returncode == 0:
+            return None
+        error = (proc.stderr or proc.stdout).strip() or f"exit code {proc.returncode}"
+        log.warning("scontrol requeue %s failed (try %d of %d): %s", job_id, attempt + 1, tries, error)
+    return f"scontrol requeue failed {tries} times: {error}"
+
+
+def slurm_job_id() -> Optional[str]:
     """This job's id as scontrol wants it (array tasks: ARRAYID_TASKID), or None outside Slurm."""
     if "SLURM_JOB_ID" not in os.environ:
         return None

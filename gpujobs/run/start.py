@@ -17,16 +17,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import uuid
 from pathlib import Path
 from typing import Optional
 
+from gpujobs import lease
 from gpujobs.atomic import write_text_atomic
 from gpujobs.launch.rundir import CONFIG_FILE, read_config
 from gpujobs.run.entry import RESULT_FILE
 from gpujobs.run.preemption import catch_early
 
 RERUNS_DIR = "reruns"
+#: Exit status of a job that found its run dir held by another live job.
+EXIT_STOOD_DOWN = 3
 
 
 def point_run_dir(points_file: Path, task_id: int) -> Path:
@@ -59,15 +63,35 @@ def training_dir(run_dir: Path, job_id: str) -> Path:
     return rerun
 
 
-def main(argv: Optional[list[str]] = None) -> None:
-    """Build this task's payload from its run dir and run it under submitit's job-side runner."""
-    catch_early()  # before anything slow: a USR2 while this rank starts is kept for the watcher
+def stand_down_unless_ours(run_dir: Path, job_id: str) -> None:
+    """Take the run dir's lease for Slurm job `job_id`, or exit at once when another live job holds it
+    (a hand-run `sbatch` of a running run dir, a resubmit racing a requeue): nothing is touched then."""
+    try:
+        lease.acquire(run_dir, lease.here(job_id), wait_s=60)
+    except lease.LeaseHeld as err:
+        print(f"gpujobs: {err}; this job ({job_id}) stands down and leaves the run dir as it is", file=sys.stderr)
+        raise SystemExit(EXIT_STOOD_DOWN) from None
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    """`--folder F (RUN_DIR | --points FILE)` (the supervisor reads the same words off the srun line)."""
     parser = argparse.ArgumentParser(prog="python -m gpujobs.run.start", description=__doc__.splitlines()[0])
     parser.add_argument("--folder", type=Path, required=True, help="submitit folder: logs and result pickles")
     target = parser.add_mutually_exclusive_group(required=True)
     target.add_argument("run_dir", type=Path, nargs="?", help="the run dir (a single job)")
     target.add_argument("--points", type=Path, help="a job array's run dirs, one per array index")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def run_dir_of(args: argparse.Namespace, array_task_id: Optional[str]) -> Path:
+    """The run dir that this task (of an array: this array index) trains."""
+    return args.run_dir if args.points is None else point_run_dir(args.points, int(array_task_id or 0))
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    """Build this task's payload from its run dir and run it under submitit's job-side runner."""
+    catch_early()  # before anything slow: a USR2 while this rank starts is kept for the watcher
+    args = parse_args(argv)
 
     import submitit
     from submitit.core.submission import process_job
@@ -77,9 +101,11 @@ def main(argv: Optional[list[str]] = None) -> None:
 
     os.environ["SUBMITIT_FOLDER"] = str(args.folder)
     env = submitit.JobEnvironment()
-    run_dir = args.run_dir if args.points is None else point_run_dir(args.points, int(env.array_task_id or 0))
+    run_dir = run_dir_of(args, env.array_task_id)
     job = read_config(run_dir)
-    delayed = DelayedSubmission(make_payload(job, training_dir(run_dir, env.job_id)))
+    train_dir = training_dir(run_dir, env.job_id)
+    stand_down_unless_ours(train_dir, str(env.job_id))
+    delayed = DelayedSubmission(make_payload(job, train_dir))
     delayed.set_timeout(job.cluster.timeout_min, max_num_timeout=3)
     # Every rank writes the same payload where submitit's runner looks for it; rename keeps it whole.
     pickle = JobPaths(args.folder, job_id=env.job_id).submitted_pickle

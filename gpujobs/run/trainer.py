@@ -16,6 +16,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from gpujobs.config import JobConfig
+from gpujobs.resume import check_same_run
+from gpujobs.run import collectives
 from gpujobs.run.checkpoint import CheckpointManager
 from gpujobs.run.jobenv import DistInfo
 from gpujobs.run.metrics import MetricsLog, param_digest
@@ -116,7 +118,9 @@ class Trainer:
         )
         self.step = 0
         self.saved_step = -1  # same on every rank, so the decision to save is collective
+        self.saved: Optional[str] = None
         self.resumed_from: Optional[str] = None
+        self.resume_skipped: list[dict[str, Any]] = []
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -130,24 +134,32 @@ class Trainer:
         }
 
     def restore(self) -> None:
-        """Continue from the newest complete checkpoint, if there is one and resume is on."""
+        """Continue from the newest checkpoint that verifies on every rank, if resume is on (collective).
+
+        Newer steps that did not verify are logged and kept in `resume_skipped` for the attempt's line;
+        a checkpoint of another run (what a step computes differs) is refused.
+        """
         if not self.job.checkpoint.resume:
             return
-        found = self.checkpoints.load_latest(map_location=self.device)
+        found, self.resume_skipped = self.checkpoints.load_latest(map_location=self.device)
         if found is None:
             return
-        shared = found["shared"]
-        self.model.load_state_dict(shared["model"])
-        self.optimizer.load_state_dict(shared["optimizer"])
-        self.scheduler.load_state_dict(shared["scheduler"])
-        self.step = self.saved_step = int(shared["step"])
-        set_rng_state(found["rank"].get("rng", {}))
-        self.resumed_from = found["path"]
-        log.info("resumed from %s (step %d)", found["path"], self.step)
+        check_same_run(found.meta, self.job, found.path)
+        self.model.load_state_dict(found.shared["model"])
+        self.optimizer.load_state_dict(found.shared["optimizer"])
+        self.scheduler.load_state_dict(found.shared["scheduler"])
+        self.step = self.saved_step = int(found.shared["step"])
+        set_rng_state(found.own.get("rng", {}))
+        self.resumed_from = self.saved = found.path
+        log.info("resumed from %s (step %d)", found.path, self.step)
 
     def save(self) -> None:
-        """Collective: every rank takes part, rank 0 publishes."""
-        self.checkpoints.save(self.step, self.state_dict, {"rng": rng_state()}, barrier=self._barrier)
+        """Collective: every rank writes its part, rank 0 publishes once all are durable.
+
+        Raises CheckpointNotSaved on every rank when any rank failed: nothing was published.
+        """
+        meta = {"config": self.job.to_dict(), "world_size": self.info.world_size}
+        self.saved = str(self.checkpoints.save(self.step, self.state_dict, {"rng": rng_state()}, meta))
         self.saved_step = self.step
 
     # ------------------------------------------------------------------ loop
@@ -227,7 +239,7 @@ class Trainer:
         return {
             "status": "preempted" if stopped else "completed",
             "start_step": start_step,
-            "saved": str(self.checkpoints.path_for(self.step)),  # saved just above, if not already
+            "saved": self.saved,
             "steps": self.step,
             "world_size": self.info.world_size,
             **evals,
@@ -235,22 +247,17 @@ class Trainer:
             "wall_s": round(time.perf_counter() - wall_start, 3),
             "param_digest": param_digest(self.model),
             "resumed_from": self.resumed_from,
+            **({"resume_skipped": self.resume_skipped} if self.resume_skipped else {}),
         }
 
     # ------------------------------------------------------------------ helpers
     def _barrier(self) -> None:
-        if dist.is_initialized():
-            dist.barrier()
+        collectives.barrier()
 
     def _log_window(self, times: StepTimes, elapsed: float, samples_per_step: int) -> None:
         """Gather every rank's timing (one small all-gather per log line) and write the record."""
         mine = torch.tensor([times.step_s, times.data_s, float(times.loss_sum), times.local_s]) / times.steps
-        if dist.is_initialized():
-            gathered = [torch.zeros_like(mine) for _ in range(self.info.world_size)]
-            dist.all_gather(gathered, mine)
-        else:
-            gathered = [mine]
-        table = torch.stack(gathered)
+        table = collectives.all_gather_rows(mine)  # world size x 4, on the CPU whatever the backend
         record = {
             "kind": "train",
             "step": self.step,

@@ -1,0 +1,183 @@
+"""One job per run dir: the lease file `lease.json` says which job runs it (torch-free; both sides use it).
+
+The lease names its holder: a Slurm job id, or a local launcher (host and pid). Whether it is live is
+asked of the holder itself, never of a clock: the Slurm job's state (`squeue`), or the launcher's pid
+on its host. So a lease needs no heartbeat and no release: once its job is gone it is stale, and the
+next job takes it over with a log line.
+
+Why a file and not `flock`/`fcntl`: a Slurm job's lease must hold from `sbatch` until the job ends,
+across requeues and while it is pending, when no process of it exists to hold a lock; and POSIX locks
+on NFS depend on the lock daemons of every node. A file created with `link()` (atomic on NFS, where
+`O_EXCL` was not always) and judged against the scheduler holds on any shared filesystem.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import socket
+import subprocess
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
+
+from gpujobs.atomic import fsync_path, write_text_atomic
+from gpujobs.errors import GpujobsError
+
+log = logging.getLogger(__name__)
+
+LEASE_FILE = "lease.json"
+#: Slurm states in which a job may still run (or is running) in its run dir.
+_LIVE_STATES = {
+    "PENDING", "RUNNING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING", "SUSPENDED", "COMPLETING",
+    "CONFIGURING", "STOPPED", "SIGNALING", "STAGE_OUT", "PREEMPTED", "RESV_DEL_HOLD", "SPECIAL_EXIT",
+}
+
+
+class LeaseHeld(GpujobsError):
+    """Another live job holds the run dir."""
+
+
+@dataclass(frozen=True)
+class Lease:
+    """Who runs a run dir."""
+
+    holder: str
+    """`slurm` (a Slurm job id), `local` (a launcher process on `host`), or `submitting` (a submit
+    process on `host` that is about to hand the lease to the Slurm job it queues)."""
+    host: str
+    pid: int
+    job_id: Optional[str] = None
+    """The Slurm job id (`A_i` for a task of an array)."""
+    since: float = 0.0
+
+    def describe(self) -> str:
+        """How an error line names the holder."""
+        if self.job_id is not None:
+            return f"Slurm job {self.job_id}"
+        return f"a local job (launcher pid {self.pid} on {self.host})"
+
+
+def here(job_id: Optional[str] = None, *, submitting: bool = False) -> Lease:
+    """A lease for this process: Slurm job `job_id`, a submit process about to queue one, or a local launcher."""
+    holder = "slurm" if job_id else "submitting" if submitting else "local"
+    return Lease(holder, socket.gethostname(), os.getpid(), job_id, round(time.time(), 3))
+
+
+def read(run_dir: Path) -> Optional[Lease]:
+    """The run dir's lease, or None (none, or unreadable: a lease torn by a crash holds nothing)."""
+    try:
+        return Lease(**json.loads((run_dir / LEASE_FILE).read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def _pid_alive(pid: int) -> bool:
+    # `kill -0` succeeds on zombies (PID 1 may reap late): read the state instead
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def slurm_state(job_id: str, timeout_s: float = 20.0) -> Optional[str]:
+    """The job's state as `squeue` says, "" when Slurm no longer knows it, None when Slurm cannot be asked."""
+    try:
+        proc = subprocess.run(
+            ["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True, timeout=timeout_s, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if proc.returncode != 0:
+        return "" if "Invalid job id" in proc.stderr else None
+    states = proc.stdout.split()
+    return states[0] if states else ""
+
+
+def live(lease: Lease) -> tuple[bool, str]:
+    """Whether the lease's holder may still be running, and what says so."""
+    if lease.job_id is not None:
+        state = slurm_state(lease.job_id)
+        if state is None:
+            return True, "Slurm cannot be asked (squeue failed): assumed running"
+        return state in _LIVE_STATES, state or "gone from squeue"
+    if lease.host != socket.gethostname():
+        return True, f"a process on {lease.host}, which this host cannot check"
+    alive = _pid_alive(lease.pid)
+    return alive, "running" if alive else "its launcher is gone"
+
+
+def _same_holder(a: Lease, b: Lease) -> bool:
+    if a.job_id is not None or b.job_id is not None:
+        return a.job_id == b.job_id  # every rank and every requeue of a Slurm job is that job
+    return (a.host, a.pid) == (b.host, b.pid)
+
+
+def _settled(run_dir: Path, wait_s: float) -> Optional[Lease]:
+    """The lease, once it is no longer a submit process's: the job that `sbatch` just queued may start
+    before its submitter has written the job id (up to `wait_s`)."""
+    deadline = time.monotonic() + wait_s
+    lease = read(run_dir)
+    while lease is not None and lease.holder == "submitting" and time.monotonic() < deadline:
+        time.sleep(0.2)
+        lease = read(run_dir)
+    return lease
+
+
+def check_free(run_dir: Path, me: Optional[Lease] = None, wait_s: float = 0.0) -> Optional[Lease]:
+    """Raise LeaseHeld when a live job other than `me` holds `run_dir`; returns a stale lease, if any.
+
+    `wait_s`: how long a Slurm job waits for its submitter to hand it the lease.
+    """
+    lease = _settled(run_dir, wait_s)
+    if lease is None or (me is not None and _same_holder(lease, me)):
+        return None
+    if lease.holder == "submitting" and wait_s > 0:
+        return lease  # its submitter never handed it to a job: the submission failed or died midway
+    is_live, why = live(lease)
+    if is_live:
+        raise LeaseHeld(
+            f"run dir {run_dir} is in use by {lease.describe()} ({why}): one job per run dir; wait for it, cancel "
+            "it, or use another run dir (hydra.run.dir=...)"
+        )
+    return lease
+
+
+def acquire(run_dir: Path, me: Lease, wait_s: float = 0.0) -> None:
+    """Take `run_dir` for `me`: atomically when there is no lease, over a stale one with a log line.
+
+    Raises LeaseHeld when another live job holds it, or when another job took it over at the same time.
+    """
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / LEASE_FILE
+    text = json.dumps(asdict(me), sort_keys=True) + "\n"
+    stale = check_free(run_dir, me, wait_s)
+    if stale is not None:
+        log.warning("run dir %s: taking over the stale lease of %s", run_dir, stale.describe())
+    if stale is not None or path.exists():  # stale, ours (a requeue, another rank), or torn by a crash
+        write_text_atomic(path, text)
+    else:
+        tmp = run_dir / f".{LEASE_FILE}.{uuid.uuid4().hex}"
+        tmp.write_text(text)
+        try:
+            os.link(tmp, path)  # atomic, NFS included: fails if another job linked its lease first
+        except FileExistsError:
+            acquire(run_dir, me, wait_s)  # judge the winner: live (refused) or stale (taken over)
+            return
+        finally:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+        fsync_path(run_dir)
+    holder = read(run_dir)
+    if holder is None or not _same_holder(holder, me):  # two takers of one stale lease: the last write won
+        raise LeaseHeld(f"run dir {run_dir} was taken over by {holder.describe() if holder else 'another job'}")
+
+
+def replace(run_dir: Path, lease: Lease) -> None:
+    """Rewrite our own lease (the submit side, once sbatch has given the job id)."""
+    write_text_atomic(run_dir / LEASE_FILE, json.dumps(asdict(lease), sort_keys=True) + "\n")

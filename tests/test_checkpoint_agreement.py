@@ -1,0 +1,82 @@
+"""Saves and resumes are agreed by every rank: real 2-rank gloo process groups, real files, real damage."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from gpujobs.run.checkpoint import CheckpointManager, CheckpointNotSaved
+
+WORLD = 2
+
+
+def _state(step: int) -> dict[str, Any]:
+    return {"model": {"w": torch.full((8,), float(step))}, "step": step}
+
+
+def _save(manager: CheckpointManager, step: int) -> Any:
+    try:
+        return str(manager.save(step, lambda: _state(step), {"rng": torch.full((2,), float(step + manager.rank))}))
+    except CheckpointNotSaved as err:
+        return {"not_saved": str(err)}
+
+
+def _worker(rank: int, root: str, scenario: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{root}/rendezvous", rank=rank, world_size=WORLD)
+    manager = CheckpointManager(Path(root) / "ck", every_steps=1, keep=3, rank=rank)
+    out: dict[str, Any] = {"first": _save(manager, 1)}
+    if scenario == "blocked_rank_file":
+        # rank 1 cannot write its file (a directory stands where it goes): a real failure in the write path
+        if rank == 1:
+            (Path(root) / "ck" / ".tmp-step_00000002" / "rank_1.pt").mkdir(parents=True)
+        out["second"] = _save(manager, 2)
+    elif scenario == "damaged_rank_file":
+        out["second"] = _save(manager, 2)
+        dist.barrier()
+        if rank == 0:  # damage rank 1's file of the newest step, keeping its size
+            victim = manager.path_for(2) / "rank_1.pt"
+            data = bytearray(victim.read_bytes())
+            data[len(data) // 2] ^= 0xFF
+            victim.write_bytes(bytes(data))
+        dist.barrier()
+        loaded, skipped = manager.load_latest()
+        out["loaded"] = None if loaded is None else loaded.step
+        out["own_rng"] = None if loaded is None else loaded.own["rng"].tolist()
+        out["skipped"] = skipped
+    out["complete"] = manager.complete_steps()
+    (Path(root) / f"rank{rank}.json").write_text(json.dumps(out))
+    dist.destroy_process_group()
+
+
+def _run(tmp_path: Path, scenario: str) -> list[dict[str, Any]]:
+    mp.spawn(_worker, args=(str(tmp_path), scenario), nprocs=WORLD, join=True)
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+def test_one_rank_failing_to_save_publishes_nothing_on_any_rank(tmp_path: Path) -> None:
+    ranks = _run(tmp_path, "blocked_rank_file")
+    for out in ranks:
+        assert out["first"].endswith("step_00000001")
+        assert "not_saved" in out["second"], out
+        assert out["complete"] == [1]  # nothing published, nothing pruned
+    # the same answer on every rank, naming the failing rank, the step and the last good one
+    assert ranks[0]["second"] == ranks[1]["second"]
+    message = ranks[0]["second"]["not_saved"]
+    assert "step 2 not saved" in message and "rank 1: " in message and "last good: step 1" in message
+    assert not (tmp_path / "ck" / "step_00000002").exists()
+    assert not (tmp_path / "ck" / ".tmp-step_00000002").exists()
+
+
+def test_a_damaged_rank_file_sends_every_rank_back_to_the_same_older_step(tmp_path: Path) -> None:
+    ranks = _run(tmp_path, "damaged_rank_file")
+    assert [out["loaded"] for out in ranks] == [1, 1]
+    assert [out["own_rng"] for out in ranks] == [[1.0, 1.0], [2.0, 2.0]]  # each rank its own file of step 1
+    for out in ranks:
+        assert [s["step"] for s in out["skipped"]] == [2]
+        assert "rank 1: rank_1.pt fails its checksum" in out["skipped"][0]["why"]

@@ -1,0 +1,138 @@
+"""Faults caused for real in real runs: a full disk during a save, a damaged checkpoint, a reused run dir.
+
+Each interrupted run must still end with the `param_digest` of an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import SLOW, read_result, submit
+from jobctl import RunningJob, attempts
+
+
+@contextlib.contextmanager
+def small_disk(path: Path, size: str) -> Iterator[Path]:
+    """A real filesystem of `size` mounted at `path` (tmpfs; needs root)."""
+    if os.geteuid() != 0:
+        if os.environ.get("CI"):
+            pytest.fail("CI runs as root: the full-disk test needs to mount a small tmpfs")
+        pytest.skip("mounting a small filesystem needs root")
+    path.mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs", str(path)], check=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def fill(directory: Path) -> Path:
+    """Write into `directory` until its filesystem says ENOSPC; returns the filler file."""
+    filler = directory / "filler"
+    with open(filler, "wb") as handle:
+        try:
+            while True:
+                handle.write(b"\0" * 65536)
+                handle.flush()
+        except OSError as err:
+            assert err.errno == 28, err
+    return filler
+
+
+def test_a_disk_that_fills_during_a_save_loses_nothing(tmp_path: Path, straight_digest: str) -> None:
+    run_dir = tmp_path / "run"
+    with small_disk(run_dir / "checkpoints", "4m") as checkpoints:  # a save is ~1.1 MB: three fit
+        job = RunningJob(run_dir, *SLOW)
+        job.wait_for_step(21)  # checkpoints 10 and 20 are published; ~9 slowed steps before 30
+        filler = fill(checkpoints)
+        assert job.wait() == 1, job.output()
+        out = job.output()
+        assert "checkpoint at step 30 not saved" in out and "No space left on device" in out, out
+        assert "last good: step 20" in out, out
+        (line,) = attempts(run_dir)
+        assert line["reason"] == "failed" and "CheckpointNotSaved" in line["error"]
+        assert "step 30 not saved" in line["error"] and "last good: step 20" in line["error"]
+        assert not (run_dir / "result.json").exists()
+        published = sorted(p.name for p in checkpoints.iterdir() if (p / "COMPLETE").exists())
+        assert published == ["step_00000010", "step_00000020"]  # intact: nothing pruned, nothing half-written
+        assert not [p for p in checkpoints.iterdir() if p.name.startswith(".tmp-")]
+
+        filler.unlink()  # space freed: the same command resumes
+        again = submit(run_dir, *SLOW)
+        assert again.returncode == 0, again.stdout + again.stderr
+    result = read_result(run_dir)
+    assert result["resumed_from"].endswith("step_00000020")
+    assert result["param_digest"] == straight_digest
+
+
+def test_a_damaged_rank_file_sends_all_ranks_back_to_the_same_older_step(tmp_path: Path, straight_digest: str) -> None:
+    run_dir = tmp_path / "run"
+    job = RunningJob(run_dir, *SLOW)
+    job.wait_for_step(33)  # checkpoint 30 is published
+    job.signal_rank(1, signal.SIGKILL)  # the run fails (no restart budget) with checkpoints 20 and 30 on disk
+    assert job.wait() == 1, job.output()
+    newest = run_dir / "checkpoints" / "step_00000030"
+    victim = newest / "rank_1.pt"
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one byte, same size: only the marker's checksum tells
+    victim.write_bytes(bytes(data))
+
+    again = submit(run_dir, *SLOW)
+    assert again.returncode == 0, again.stdout + again.stderr
+    result = read_result(run_dir)
+    assert result["resumed_from"].endswith("step_00000020") and result["start_step"] == 20
+    assert result["param_digest"] == straight_digest
+    last = attempts(run_dir)[-1]
+    assert last["reason"] == "completed" and last["resumed_from"].endswith("step_00000020")
+    (skipped,) = last["resume_skipped"]  # the fallback is recorded, never silent
+    assert skipped["step"] == 30 and "rank 1: rank_1.pt fails its checksum" in skipped["why"]
+
+
+def test_resuming_with_a_changed_model_key_is_refused(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    tiny = ("+experiment=rec", "+debug=tiny", "cluster=local")
+    assert submit(run_dir, *tiny, "trainer.max_steps=4").returncode == 0
+    before = sorted(os.listdir(run_dir / "checkpoints"))
+    proc = submit(run_dir, *tiny, "model.embedding_dim=8")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    (line,) = [x for x in proc.stderr.splitlines() if x.startswith("gpujobs:")]
+    assert "model.embedding_dim (16 -> 8)" in line and "use a new run dir" in line
+    assert sorted(os.listdir(run_dir / "checkpoints")) == before
+    # what a step computes is the same: a longer run resumes
+    longer = submit(run_dir, *tiny, "trainer.max_steps=8", "trainer.log_every=2")
+    assert longer.returncode == 0, longer.stdout + longer.stderr
+    assert read_result(run_dir)["resumed_from"].endswith("step_00000004")
+
+
+def test_resume_false_in_a_run_dir_with_checkpoints_is_refused(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    tiny = ("+experiment=rec", "+debug=tiny", "cluster=local", "trainer.max_steps=4")
+    assert submit(run_dir, *tiny).returncode == 0
+    config = (run_dir / "config.yaml").read_text()
+    proc = submit(run_dir, *tiny, "checkpoint.resume=false")
+    assert proc.returncode == 2
+    assert "checkpoint.resume=false" in proc.stderr and "use a new run dir, or remove them" in proc.stderr
+    assert (run_dir / "config.yaml").read_text() == config  # nothing rewritten
+    assert json.loads((run_dir / "result.json").read_text())["steps"] == 4
+
+
+def test_a_prometheus_port_in_use_is_a_recorded_failed_attempt(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        run_dir = tmp_path / "run"
+        proc = submit(run_dir, "+experiment=rec", "+debug=tiny", "cluster=local", f"telemetry.prometheus_port={port}")
+    assert proc.returncode == 1
+    (line,) = attempts(run_dir)  # inside the attempt, within its budget: not a crash before it
+    assert line["reason"] == "failed" and "Address already in use" in line["error"], line
+    assert "Address already in use" in proc.stdout

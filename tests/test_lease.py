@@ -1,0 +1,88 @@
+"""One job per run dir: a second job is refused at submit, stands down on the job side, and a stale lease
+is taken over. Real local runs and the live Slurm cluster; no part of the lease is faked."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from conftest import SLOW, read_result, sacct_state, slurm_job_id, submit
+from jobctl import RunningJob, attempts
+
+from gpujobs import lease
+
+
+def test_a_second_local_submission_is_refused_and_the_first_completes(tmp_path: Path, straight_digest: str) -> None:
+    run_dir = tmp_path / "run"
+    first = RunningJob(run_dir, *SLOW)
+    first.wait_for_step(6)
+    started = time.monotonic()
+    second = submit(run_dir, *SLOW, timeout=60)
+    assert second.returncode == 2, second.stdout + second.stderr
+    assert time.monotonic() - started < 30  # refused without waiting for the first job
+    (line,) = [x for x in second.stderr.splitlines() if x.startswith("gpujobs:")]
+    assert f"in use by a local job (launcher pid {first.proc.pid}" in line and "one job per run dir" in line
+    assert first.wait() == 0, first.output()
+    assert [a["reason"] for a in attempts(run_dir)] == ["completed"]  # the refused one wrote no line
+    assert read_result(run_dir)["param_digest"] == straight_digest
+
+
+def test_a_stale_lease_is_taken_over_with_a_log_line(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a launcher that died without a word
+    dead = lease.Lease("local", os.uname().nodename, gone.pid, None, 1.0)
+    (run_dir / lease.LEASE_FILE).write_text(json.dumps(dead.__dict__))
+    proc = submit(run_dir, "+experiment=rec", "+debug=tiny", "cluster=local", "trainer.max_steps=4")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"taking over the stale lease of a local job (launcher pid {gone.pid}" in proc.stderr
+    holder = lease.read(run_dir)
+    assert holder is not None and holder.holder == "local" and holder.pid != gone.pid
+
+
+def test_a_torn_lease_holds_nothing(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / lease.LEASE_FILE).write_text('{"holder": "lo')
+    lease.acquire(run_dir, lease.here())
+    held = lease.read(run_dir)
+    assert held is not None and held.holder == "local" and held.pid == os.getpid()
+
+
+def test_on_slurm_a_second_submission_is_refused_and_a_hand_run_duplicate_stands_down(
+    tmp_path: Path, slurm: dict[str, str]
+) -> None:
+    run_dir = tmp_path / "run"
+    overrides = ("+experiment=rec", "+debug=tiny", "cluster=slurm", "trainer.max_steps=200",
+                 "telemetry.debug_slow_rank=0", "telemetry.debug_slow_ms=40")
+    first = submit(run_dir, *overrides, env=slurm)
+    assert first.returncode == 0, first.stdout + first.stderr
+    job_id = slurm_job_id(first.stdout)
+    holder = lease.read(run_dir)
+    assert holder is not None and holder.job_id == job_id
+
+    second = submit(run_dir, *overrides, env=slurm, timeout=60)
+    assert second.returncode == 2, second.stdout + second.stderr
+    assert f"in use by Slurm job {job_id}" in second.stderr
+
+    env = {**os.environ, **slurm}
+    deadline = time.monotonic() + 60
+    while not (run_dir / "metrics.jsonl").exists():  # the first job trains
+        assert time.monotonic() < deadline, "the first job never started"
+        time.sleep(0.5)
+    queued = subprocess.run(["sbatch", "--parsable", str(run_dir / "submit.sbatch")], env=env,
+                            capture_output=True, text=True, check=True)
+    duplicate = queued.stdout.strip().split(";")[0]
+    assert sacct_state(duplicate, slurm, timeout=120) == "FAILED"  # exit 3: stood down
+    log = (run_dir / "submitit" / f"{duplicate}_0_log.err").read_text()
+    assert f"in use by Slurm job {job_id}" in log and f"this job ({duplicate}) stands down" in log
+
+    assert sacct_state(job_id, slurm, timeout=180) == "COMPLETED"
+    lines = attempts(run_dir)
+    assert [a["reason"] for a in lines] == ["completed"] and lines[0]["job_id"] == job_id
+    assert read_result(run_dir)["steps"] == 200
