@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import time
 from pathlib import Path
 
-from conftest import read_result, submit
+import pytest
+from conftest import read_result, slurm_job_id, submit
+from jobctl import RunningJob, attempts
 
 SCRIPT = Path(__file__).parent / "scripts" / "torchrun_style.py"
 
@@ -30,3 +36,45 @@ def test_missing_script_is_refused(run_dir: Path) -> None:
     assert proc.returncode == 2
     assert "script.path='/nowhere/train.py' is invalid" in proc.stderr
     assert not run_dir.exists()
+
+
+STOPPABLE = Path(__file__).parent / "scripts" / "stoppable.py"
+
+
+def _wait_for_progress(run_dir: Path, step: int, timeout: float = 60) -> None:
+    state = run_dir / "progress_rank0.json"
+    deadline = time.monotonic() + timeout
+    while not (state.exists() and state.read_text() and json.loads(state.read_text())["step"] >= step):
+        assert time.monotonic() < deadline, "the script never got going"
+        time.sleep(0.05)
+
+
+def test_usr2_tells_a_local_script_to_stop_and_it_resumes_within_the_budget(run_dir: Path) -> None:
+    job = RunningJob(run_dir, "cluster=local", "resources.procs_per_node=2", f"+script.path={STOPPABLE}",
+                     "+script.args=[60]")
+    _wait_for_progress(run_dir, 5)
+    job.signal_rank(0, signal.SIGUSR2)
+    assert job.wait() == 0, job.output()
+    first, second = attempts(run_dir)
+    assert first["reason"] == "preempted" and first["requeue"] is True and first["script_exit"] == 0
+    assert second["reason"] == "completed"
+    exits = (run_dir / "exits_rank0.txt").read_text().splitlines()
+    assert exits[0].startswith("stopped at") and exits[-1] == "finished at 60"  # told to stop, then resumed
+    assert read_result(run_dir)["kind"] == "script"
+
+
+@pytest.mark.slurm
+def test_usr2_requeues_a_slurm_script_within_max_preemptions(run_dir: Path, slurm: dict[str, str]) -> None:
+    job = RunningJob(run_dir, "cluster=slurm", "resources.procs_per_node=2", f"+script.path={STOPPABLE}",
+                     "+script.args=[100]", "cluster.wait=true", "cluster.max_preemptions=1", env=slurm)
+    _wait_for_progress(run_dir, 5, timeout=120)
+    job_id = slurm_job_id(job.output())
+    subprocess.run(["scancel", "--signal=USR2", job_id], check=True, env={**os.environ, **slurm})
+    assert job.wait(timeout=240) == 0, job.output()
+    first, second = attempts(run_dir)
+    assert first["reason"] == "preempted" and first["requeue"] is True and first["job_id"] == job_id
+    assert "1 of at most 1" in first["why"]
+    assert second["reason"] == "completed" and second["job_id"] == job_id
+    for rank in (0, 1):
+        exits = (run_dir / f"exits_rank{rank}.txt").read_text().splitlines()
+        assert exits[0].startswith("stopped at") and exits[-1] == "finished at 100", exits

@@ -2,11 +2,19 @@
 
 The script reads RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT as it
 would under torchrun; gpujobs supplies them from the local or Slurm job, along with the NCCL settings.
+
+Stops and budgets are those of the trainer. When the rank gets Slurm's USR2 (the time limit is near,
+or the job is preempted) the script gets SIGTERM: it should save what it needs in `GPUJOBS_RUN_DIR`
+and exit before the time limit (it has `cluster.signal_lead_s` seconds; a preempted job has the
+partition's GraceTime). Rank 0 then records the attempt and, within `cluster.max_preemptions` or
+`cluster.max_timeouts`, requeues the job; the next attempt runs the script again, which resumes from
+what it saved. A script that fails by itself is recorded as failed, within `cluster.max_restarts`.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -19,33 +27,75 @@ from gpujobs.config import JobConfig
 from gpujobs.run.entry import RESULT_FILE
 from gpujobs.run.jobenv import detect, export_torchrun_env
 
+#: What the script gets when the job must stop.
+STOP_SIGNAL = signal.SIGTERM
+
 
 @dataclass
 class ScriptJob:
-    """Run `job.script` as this rank; raises if the script exits non-zero."""
+    """Run `job.script` as this rank; raises if the script exits non-zero by itself."""
 
     job: JobConfig
     run_dir: str
     master_port: Optional[int] = None
 
     def __call__(self) -> dict[str, Any]:
+        from gpujobs.run.preemption import EXIT_REQUEUED, PreemptionWatcher, classify_stop, record_attempt
+
+        watcher = PreemptionWatcher().install()  # first: a USR2 from now on is ours, not submitit's
+        started = time.time()
         script = self.job.script
-        assert script is not None  # make_payload only builds a ScriptJob for a job with a script
+        if script is None:
+            raise TypeError("ScriptJob needs a job with a script (make_payload builds it only then)")
         info = detect(self.master_port)
         export_torchrun_env(info)
         os.environ.update(self.job.nccl.to_env())
         os.environ["GPUJOBS_RUN_DIR"] = self.run_dir
-        start = time.perf_counter()
-        proc = subprocess.run([sys.executable, script.path, *script.args], cwd=script.cwd or None, check=False)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{script.path} exited with code {proc.returncode} on rank {info.rank}")
+        clock = time.perf_counter()
+        try:
+            code = _run_until_done(
+                [sys.executable, script.path, *script.args], script.cwd, lambda: watcher.flagged
+            )
+        finally:
+            watcher.uninstall()
+        line = {"start": round(started, 3), "script_exit": code}
+        if watcher.flagged:
+            reason = classify_stop(self.job, started, watcher.flagged_at)
+            if info.is_main:
+                record_attempt(self.run_dir, self.job, {"reason": reason, **line})
+            raise SystemExit(EXIT_REQUEUED)  # like the trainer: no result, the job is not over
+        if code != 0:
+            error = f"{script.path} exited with code {code} on rank {info.rank}"
+            if info.is_main:
+                record_attempt(self.run_dir, self.job, {"reason": "failed", **line, "error": error})
+            raise RuntimeError(error)
         result = {
             "status": "completed",
             "kind": "script",
             "script": script.path,
             "world_size": info.world_size,
-            "wall_s": round(time.perf_counter() - start, 3),
+            "wall_s": round(time.perf_counter() - clock, 3),
         }
         if info.is_main:
+            record_attempt(self.run_dir, self.job, {"reason": "completed", **line})
             write_json_atomic(Path(self.run_dir) / RESULT_FILE, result)
         return {**result, "rank": info.rank, "node": info.node}
+
+
+def _run_until_done(command: list[str], cwd: Optional[str], stop_asked: Any) -> int:
+    """Run the script; tell it to stop (once) as soon as `stop_asked()`; returns its exit code."""
+    # Slurm signals every process of a step: the script must hear of the stop from us, as SIGTERM, and not
+    # die of USR2's default action (ignored dispositions survive exec; a script may still install its own).
+    proc = subprocess.Popen(command, cwd=cwd or None, preexec_fn=_ignore_usr2)
+    told = False
+    while True:
+        try:
+            return proc.wait(timeout=0.2)
+        except subprocess.TimeoutExpired:
+            if stop_asked() and not told:
+                proc.send_signal(STOP_SIGNAL)
+                told = True
+
+
+def _ignore_usr2() -> None:
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
