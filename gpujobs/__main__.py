@@ -1,7 +1,8 @@
 """`python -m gpujobs status|logs|cancel|resubmit DIR`: watch and manage submitted runs and sweeps.
 
 DIR is a run dir or a sweep dir (`-m`). Exit codes: 0 done, 1 nothing matched or a command failed,
-2 bad input.
+2 bad input. `status --watch` and `logs --follow` end once every point is final: Slurm says so or,
+when `sacct` cannot be asked, the run dirs' files do.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def _status(args: argparse.Namespace) -> int:
         if warning:
             print(f"gpujobs: {warning}", file=sys.stderr)
         console.print(manage.status_table(points))
-        if not args.watch or all(p.state in manage.FINAL for p in points):
+        if not args.watch or all(p.final for p in points):
             return 0
         time.sleep(args.watch)
 
@@ -57,23 +58,56 @@ def _logs(args: argparse.Namespace) -> int:
     if point.job_id is None or point.logs is None:
         raise GpujobsError(f"{point.run_dir} has no Slurm job (local runs print their logs as they go)")
     path = point.logs / f"{point.job_id}_{args.rank}_log.{'err' if args.err else 'out'}"
-    offset = 0
-    while True:
-        if path.exists():
-            with open(path) as handle:
-                handle.seek(offset)
-                chunk = handle.read()
-                offset = handle.tell()
-            sys.stdout.write(chunk)
-            sys.stdout.flush()
-        elif not args.follow:
+    if not args.follow:
+        if not path.exists():
             raise GpujobsError(f"no log yet: {path}")
-        if not args.follow:
-            return 0
-        manage.refresh([point], args.sacct_timeout)
-        if point.state in manage.FINAL:
+        _print_from(path, 0, whole=True)
+        return 0
+    offset, warned = 0, False
+    while True:
+        offset = _print_from(path, offset, whole=False)
+        warning = manage.refresh([point], args.sacct_timeout)
+        if warning and not warned:
+            print(f"gpujobs: {warning}", file=sys.stderr)
+            warned = True
+        if point.final:
+            _print_from(path, offset, whole=True)  # what the job wrote while its state was asked
+            if not path.exists():
+                print(f"gpujobs: {point.job_id} ended ({point.state}) without writing {path}", file=sys.stderr)
+                return 1
             return 0
         time.sleep(1.0)
+
+
+def _print_from(path: Path, offset: int, *, whole: bool) -> int:
+    """Print `path` from byte `offset` on (nothing if it does not exist yet); returns the new offset.
+
+    Unless `whole`, only up to the last newline: a line still being written (perhaps cut inside a
+    character) is printed once complete.
+    """
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(offset)
+            chunk = handle.read()
+    except FileNotFoundError:
+        return offset
+    if not whole:
+        chunk = chunk[: chunk.rfind(b"\n") + 1]
+    sys.stdout.write(chunk.decode(errors="replace"))
+    sys.stdout.flush()
+    return offset + len(chunk)
+
+
+def _cancel(points: list[manage.PointState]) -> int:
+    """Cancel, then say which ids were cancelled, had already ended, or could not be cancelled (exit 1)."""
+    outcome = manage.cancel(points)
+    if outcome.cancelled or not (outcome.ended or outcome.failed):
+        print(f"gpujobs: cancelled {', '.join(outcome.cancelled) or 'nothing (no Slurm job)'}")
+    for job_id, why in outcome.ended.items():
+        print(f"gpujobs: {job_id} had already ended ({why})")
+    for job_id, why in outcome.failed.items():
+        print(f"gpujobs: could not cancel {job_id}: {why}", file=sys.stderr)
+    return 1 if outcome.failed else 0
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -86,18 +120,19 @@ def main(argv: Optional[list[str]] = None) -> int:
             return _logs(args)
         points = manage.select(manage.points_of(args.dir), getattr(args, "point", None))
         if args.command == "cancel":
-            ids = manage.cancel(points)
-            print(f"gpujobs: cancelled {', '.join(ids) or 'nothing (no Slurm job)'}")
-            return 0
+            return _cancel(points)
         warning = manage.refresh(points, args.sacct_timeout)
         if warning:
-            raise GpujobsError(f"{warning}; resubmit needs Slurm's view of the states, try again")
+            raise manage.SlurmCommandError(f"{warning}; resubmit needs Slurm's view of the states, try again")
         chosen = manage.resubmit(args.dir, points, cancelled=args.cancelled)
         if not chosen:
             print("gpujobs: no failed points to resubmit")
             return 1
         print(f"gpujobs: resubmitted points {', '.join(str(p.num) for p in chosen)}")
         return 0
+    except manage.SlurmCommandError as err:
+        print(f"gpujobs: {err}", file=sys.stderr)
+        return 1
     except GpujobsError as err:
         print(f"gpujobs: {err}", file=sys.stderr)
         return 2

@@ -72,14 +72,36 @@ def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
     write_text_atomic(path, json.dumps(payload, indent=2, sort_keys=True) + "\n")
 
 
+def jsonl_record(line: str | bytes) -> Optional[dict[str, Any]]:
+    """One JSON-lines line as a record, or None for a line that is not one (cut short, or garbage)."""
+    try:
+        record = json.loads(line)
+    except ValueError:  # JSONDecodeError, or bytes that are not UTF-8 (a tear inside a character)
+        return None
+    return record if isinstance(record, dict) else None
+
+
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """Every complete line of a JSON-lines file, oldest first ([] when it does not exist)."""
-    if not path.exists():
+    """Every complete record of a JSON-lines file, oldest first ([] when it does not exist).
+
+    A line cut short by a crash, or any other line that is not a JSON object, is skipped.
+    """
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
         return []
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:  # a line cut short by a crash: skip it
-            continue
-    return records
+    return [record for line in data.splitlines() if (record := jsonl_record(line)) is not None]
+
+
+def append_jsonl(path: Path, record: dict[str, Any]) -> None:
+    """Append `record` as one line (flushed, not fsynced), on a line of its own.
+
+    After a writer that died mid-line the file ends without a newline: one is written first, so the
+    torn line stays alone (and is skipped by readers) instead of swallowing this record.
+    """
+    with open(path, "ab+") as handle:
+        if handle.seek(0, os.SEEK_END) > 0:
+            handle.seek(-1, os.SEEK_END)
+            if handle.read(1) != b"\n":
+                handle.write(b"\n")
+        handle.write(json.dumps(record).encode() + b"\n")

@@ -6,7 +6,6 @@ against the live Slurm cluster of scripts/local-slurm.sh.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -19,7 +18,7 @@ from conftest import REPO, assert_golden, compose_job, read_result, sacct_state,
 from omegaconf import OmegaConf
 
 from gpujobs.launch.manage import parse_sacct
-from gpujobs.launch.rundir import config_yaml
+from gpujobs.launch.rundir import config_yaml, read_submissions
 from gpujobs.launch.sbatch import render_sbatch, sbatch_request
 from gpujobs.launch.sweep import Point, array_spec, chunks, header_groups
 
@@ -93,8 +92,8 @@ def gpujobs(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]
 
 
 def job_ids(run_dir: Path) -> list[str]:
-    lines = [json.loads(line) for line in (run_dir / "slurm_jobs.jsonl").read_text().splitlines()]
-    return [line["job_id"] for line in lines if "logs" in line]  # submissions, not cancel notes
+    """The Slurm jobs queued for `run_dir`, oldest first (submissions, not cancel notes)."""
+    return [line.job_id for line in read_submissions(run_dir) if line.logs is not None]
 
 
 def array_of(stdout: str) -> str:

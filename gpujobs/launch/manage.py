@@ -3,7 +3,8 @@
 A run dir (config.yaml) or a sweep dir (sweep.json) is all these need: each Slurm run dir lists the job
 ids that ran it (`slurm_jobs.jsonl`, the last is the current one). States come from ONE `sacct` call
 for the whole sweep per poll, never one per job; when `sacct` is slow or fails, the table says so and
-falls back to what the run dirs' files say.
+falls back to what the run dirs' files say. Every JSON-lines file is read with `atomic.read_jsonl`, so a
+torn or garbage line in any of them is skipped, never fatal.
 """
 
 from __future__ import annotations
@@ -11,10 +12,11 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from gpujobs.atomic import read_jsonl
 from gpujobs.attempts import AttemptLog
 from gpujobs.errors import GpujobsError
 from gpujobs.launch.rundir import CONFIG_FILE, read_config, read_submissions, record_cancel
@@ -25,7 +27,16 @@ FINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEM
          "PREEMPTED"}
 #: States `resubmit --failed` brings back (CANCELLED only with --cancelled: cancelling was a choice).
 FAILED = {"FAILED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "PREEMPTED"}
+#: A pending (or never started) part of an array, as sacct lists it: `JOBID_[4-999]`, `JOBID_[1,3,5-7%2]`.
 _ARRAY_RANGE = re.compile(r"^(\d+)_\[([0-9,\-]+)(?:%\d+)?\]$")
+#: How `scancel -v` names an id it could not signal, and why.
+_SCANCEL_ERROR = re.compile(r"error on job id (\S+): (.+)$", re.MULTILINE)
+#: scancel's reasons for a job that had already ended (one purged after MinJobAge is "invalid").
+_ALREADY_ENDED = ("already completing or completed", "Invalid job id specified")
+
+
+class SlurmCommandError(GpujobsError):
+    """A Slurm command (sacct, scancel) failed or did not answer: exit code 1, not bad input."""
 
 
 @dataclass
@@ -40,6 +51,8 @@ class PointState:
     cancelled: bool = False
     """`gpujobs cancel` cancelled the current job."""
     state: str = "?"
+    final: bool = False
+    """The current job will not run again by itself (Slurm says so, or the run dir's files do)."""
 
 
 def points_of(path: Path) -> list[PointState]:
@@ -55,16 +68,23 @@ def points_of(path: Path) -> list[PointState]:
     for entry in entries:
         run_dir = Path(entry["run_dir"])
         submissions = read_submissions(run_dir)
-        queued = [line for line in submissions if "logs" in line]
-        last = queued[-1] if queued else {}
-        logs = Path(last["logs"]) if "logs" in last else None
-        cancelled = any("cancelled" in line and line["job_id"] == last.get("job_id") for line in submissions)
-        points.append(PointState(entry["num"], list(entry["overrides"]), run_dir, last.get("job_id"), logs, cancelled))
+        queued = [line for line in submissions if line.logs is not None]
+        if not queued:
+            points.append(PointState(entry["num"], list(entry["overrides"]), run_dir, None, None))
+            continue
+        current = queued[-1]
+        cancelled = any(line.cancelled is not None and line.job_id == current.job_id for line in submissions)
+        points.append(PointState(entry["num"], list(entry["overrides"]), run_dir, current.job_id, current.logs,
+                                 cancelled))
     return points
 
 
 def parse_sacct(text: str) -> dict[str, str]:
-    """`sacct -X -n -P -o JobID,State` lines to {job id: state}; pending array ranges are expanded."""
+    """`sacct -X -n -P -o JobID,State` lines to {job id: state}; pending array ranges are expanded.
+
+    An array that never started may also be one bare `JOBID` record (seen when its tasks were cancelled
+    one by one before accounting listed them): `sacct_state_of` gives its state to every task.
+    """
     states: dict[str, str] = {}
     for line in text.splitlines():
         if "|" not in line:
@@ -82,8 +102,20 @@ def parse_sacct(text: str) -> dict[str, str]:
     return states
 
 
+def sacct_state_of(job_id: str, states: dict[str, str]) -> Optional[str]:
+    """What `parse_sacct`'s `states` say of `job_id`, or None when sacct has no record of it.
+
+    A task `JOBID_i` without a record of its own takes the state of a bare `JOBID` record: that
+    record stands for the whole array (a started array lists its tasks as `JOBID_i`, never bare).
+    """
+    if job_id in states:
+        return states[job_id]
+    array, sep, _ = job_id.partition("_")
+    return states.get(array) if sep else None
+
+
 def sacct_states(job_ids: list[str], timeout_s: float) -> dict[str, str]:
-    """States of every job in one `sacct` call. Raises GpujobsError when sacct fails or is too slow."""
+    """States of every job in one `sacct` call. Raises SlurmCommandError when sacct fails or is too slow."""
     mains = sorted({job_id.split("_")[0] for job_id in job_ids})
     if not mains:
         return {}
@@ -91,36 +123,47 @@ def sacct_states(job_ids: list[str], timeout_s: float) -> dict[str, str]:
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False)
     except subprocess.TimeoutExpired:
-        raise GpujobsError(f"sacct did not answer within {timeout_s:g} s") from None
+        raise SlurmCommandError(f"sacct did not answer within {timeout_s:g} s") from None
     except OSError as err:
-        raise GpujobsError(f"sacct could not run: {err}") from None
+        raise SlurmCommandError(f"sacct could not run: {err}") from None
     if proc.returncode != 0:
-        raise GpujobsError(f"sacct failed: {(proc.stderr or proc.stdout).strip() or proc.returncode}")
+        raise SlurmCommandError(f"sacct failed: {(proc.stderr or proc.stdout).strip() or proc.returncode}")
     return parse_sacct(proc.stdout)
 
 
-def state_from_files(run_dir: Path) -> str:
-    """What the run dir says without Slurm: completed, the last attempt's reason, or unknown."""
-    result = _json(run_dir / RESULT_FILE)
-    if result.get("status") == "completed":
-        return "completed (files)"
-    attempts = AttemptLog(run_dir).read()
-    return f"{attempts[-1].get('reason', '?')} (files)" if attempts else "? (files)"
+def state_from_files(point: PointState) -> tuple[str, bool]:
+    """What the run dir says without Slurm, and whether that is final.
+
+    Final: result.json says completed, `gpujobs cancel` cancelled the current job, or the current job's
+    last attempt says it will not be requeued. An attempt of an earlier job (the point was resubmitted
+    since) says nothing about the current one.
+    """
+    if _json(point.run_dir / RESULT_FILE).get("status") == "completed":
+        return "completed (files)", True
+    if point.cancelled:
+        return "cancelled (files)", True
+    attempts = AttemptLog(point.run_dir).read()
+    if not attempts or attempts[-1].get("job_id") != point.job_id:
+        return "? (files)", False
+    return f"{attempts[-1].get('reason', '?')} (files)", attempts[-1].get("requeue") is False
 
 
 def refresh(points: list[PointState], timeout_s: float = 10.0) -> Optional[str]:
-    """Fill in every point's state; returns a warning when sacct could not be asked."""
+    """Fill in every point's state and finality; returns a warning when sacct could not be asked."""
     try:
         states = sacct_states([p.job_id for p in points if p.job_id], timeout_s)
-    except GpujobsError as err:
+    except SlurmCommandError as err:
         for point in points:
-            point.state = state_from_files(point.run_dir)
+            point.state, point.final = state_from_files(point)
         return f"{err}: showing what the run dirs say"
     for point in points:
-        if point.job_id is None:
-            point.state = state_from_files(point.run_dir)
-        else:  # no record: a task cancelled while pending, or one sacct does not list yet
-            point.state = states.get(point.job_id) or ("CANCELLED" if point.cancelled else "?")
+        state = sacct_state_of(point.job_id, states) if point.job_id else None
+        if state is not None:
+            point.state, point.final = state, state in FINAL
+        elif point.cancelled:  # Slurm keeps no record of an array task cancelled while pending
+            point.state, point.final = "CANCELLED", True
+        else:  # a local run, or a job sacct does not list (yet)
+            point.state, point.final = state_from_files(point)
     return None
 
 
@@ -134,15 +177,12 @@ def _json(path: Path) -> dict[str, Any]:
 def progress(run_dir: Path) -> tuple[str, str]:
     """(last step, last metric): the result's AUC when there is one, else the last logged loss."""
     result = _json(run_dir / RESULT_FILE)
-    last: dict[str, Any] = {}
-    path = run_dir / METRICS_FILE
-    if path.exists():
-        lines = [line for line in path.read_text().splitlines() if line.endswith("}")]
-        last = json.loads(lines[-1]) if lines else {}
+    records = [r for r in read_jsonl(run_dir / METRICS_FILE) if "step" in r]
+    last = records[-1] if records else {}
     step = result.get("steps", last.get("step", ""))
-    if "auc" in result:
+    if isinstance(result.get("auc"), (int, float)):
         return str(step), f"auc={result['auc']:.4f}"
-    metric = next((f"{key}={last[key]:.4f}" for key in ("auc", "loss") if key in last), "")
+    metric = next((f"{key}={last[key]:.4f}" for key in ("auc", "loss") if isinstance(last.get(key), (int, float))), "")
     return str(step), metric
 
 
@@ -181,17 +221,48 @@ def select(points: list[PointState], num: Optional[int]) -> list[PointState]:
     return chosen
 
 
-def cancel(points: list[PointState]) -> list[str]:
-    """`scancel` the current job of each point (one call); returns the ids cancelled."""
+@dataclass
+class CancelOutcome:
+    """What `cancel` did to each job id it was given."""
+
+    cancelled: list[str] = field(default_factory=list)
+    ended: dict[str, str] = field(default_factory=dict)
+    """Ids that had already ended (or were purged, long over), and scancel's words."""
+    failed: dict[str, str] = field(default_factory=dict)
+    """Ids scancel could not signal for another reason, and why."""
+
+
+def cancel(points: list[PointState]) -> CancelOutcome:
+    """`scancel` the current job of each point (one call); note each id it cancelled in its run dir.
+
+    `scancel -v` names every id it could not signal, so the others are noted even when some fail
+    (Slurm 22.05 exits 0 for ids that already ended, and 1 for other errors).
+    """
+    outcome = CancelOutcome()
     ids = [p.job_id for p in points if p.job_id]
-    if ids:
-        proc = subprocess.run(["scancel", *ids], capture_output=True, text=True, timeout=30, check=False)
-        if proc.returncode != 0:
-            raise GpujobsError(f"scancel failed: {proc.stderr.strip() or proc.returncode}")
+    if not ids:
+        return outcome
+    try:
+        proc = subprocess.run(["scancel", "-v", *ids], capture_output=True, text=True, timeout=30, check=False)
+    except subprocess.TimeoutExpired:
+        raise SlurmCommandError("scancel did not answer within 30 s: nothing recorded as cancelled") from None
+    except OSError as err:
+        raise SlurmCommandError(f"scancel could not run: {err}") from None
+    errors = {job_id: why.strip() for job_id, why in _SCANCEL_ERROR.findall(proc.stderr)}
+    if proc.returncode != 0 and not errors:  # it named no id: it did not get as far as signalling any
+        raise SlurmCommandError(f"scancel failed: {proc.stderr.strip() or proc.returncode}")
     for point in points:
-        if point.job_id:
+        if point.job_id is None:
+            continue
+        why = errors.get(point.job_id)
+        if why is None:
             record_cancel(point.run_dir, point.job_id)
-    return ids
+            outcome.cancelled.append(point.job_id)
+        elif any(words in why for words in _ALREADY_ENDED):
+            outcome.ended[point.job_id] = why
+        else:
+            outcome.failed[point.job_id] = why
+    return outcome
 
 
 def resubmit(sweep_dir: Path, points: list[PointState], *, cancelled: bool = False) -> list[PointState]:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import contextlib
-import json
+import re
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -12,7 +13,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf._utils import get_omega_conf_dumper
 
-from gpujobs.atomic import FsyncBatch, write_text_atomic
+from gpujobs.atomic import FsyncBatch, append_jsonl, read_jsonl, write_text_atomic
 from gpujobs.config import JobConfig, load_config
 
 CONFIG_FILE = "config.yaml"
@@ -81,25 +82,54 @@ def discard_if_empty(run_dir: Path) -> None:
         run_dir.rmdir()
 
 
+@dataclass(frozen=True)
+class Submission:
+    """One line of `slurm_jobs.jsonl`: a Slurm job queued for the run dir (`logs` set), or a note that
+    `gpujobs cancel` cancelled one (`cancelled` set)."""
+
+    job_id: str
+    logs: Optional[Path] = None
+    """The job's submitit folder (its task logs); None on a cancel note."""
+    submitted: Optional[float] = None
+    cancelled: Optional[float] = None
+
+
+#: A Slurm job id as gpujobs records them: `JOBID`, or `ARRAYID_TASK` for a task of a job array.
+_JOB_ID = re.compile(r"^\d+(_\d+)?$")
+
+
 def record_submission(run_dir: Path, job_id: str, log_folder: Path) -> None:
-    """Append the job id that now runs `run_dir` (the last line is the current one)."""
-    _append_submission(run_dir, {"job_id": job_id, "logs": str(log_folder), "submitted": round(time.time(), 3)})
+    """Append the job id that now runs `run_dir` (the last submission is the current one).
+
+    Not fsynced: a sweep records hundreds at once, after the files the jobs need are durable; a line
+    lost to a crash leaves a job that status cannot name, never a run dir that cannot run.
+    """
+    append_jsonl(run_dir / SUBMISSIONS_FILE, {"job_id": job_id, "logs": str(log_folder),
+                                              "submitted": round(time.time(), 3)})
 
 
 def record_cancel(run_dir: Path, job_id: str) -> None:
     """Note that `gpujobs cancel` cancelled `job_id`: Slurm keeps no record of an array task cancelled
     while it was pending, so without this note its state would be unknown."""
-    _append_submission(run_dir, {"job_id": job_id, "cancelled": round(time.time(), 3)})
+    append_jsonl(run_dir / SUBMISSIONS_FILE, {"job_id": job_id, "cancelled": round(time.time(), 3)})
 
 
-def _append_submission(run_dir: Path, record: dict[str, Any]) -> None:
-    with open(run_dir / SUBMISSIONS_FILE, "a") as handle:
-        handle.write(json.dumps(record) + "\n")
+def read_submissions(run_dir: Path) -> list[Submission]:
+    """Every Slurm submission and cancel note of `run_dir`, oldest first (empty for local runs).
+
+    Lines that are torn, garbage, or name no Slurm job id are skipped.
+    """
+    submissions = []
+    for line in read_jsonl(run_dir / SUBMISSIONS_FILE):
+        job_id, logs = line.get("job_id"), line.get("logs")
+        if not isinstance(job_id, str) or not _JOB_ID.match(job_id):
+            continue
+        submissions.append(Submission(
+            job_id, Path(logs) if isinstance(logs, str) else None, _number(line.get("submitted")),
+            _number(line.get("cancelled")),
+        ))
+    return submissions
 
 
-def read_submissions(run_dir: Path) -> list[dict[str, Any]]:
-    """Every Slurm submission of `run_dir`, oldest first (empty for local runs)."""
-    path = run_dir / SUBMISSIONS_FILE
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+def _number(value: Any) -> Optional[float]:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
