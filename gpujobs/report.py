@@ -15,8 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from gpujobs.atomic import read_jsonl
-from gpujobs.run.entry import METRICS_FILE, RESULT_FILE
-from gpujobs.run.gpu_sampler import GPU_FILE
+from gpujobs.rundir import GPU_FILE, METRICS_FILE, RESULT_FILE
 
 REPORT_DIR = "report"
 

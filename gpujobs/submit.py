@@ -29,8 +29,8 @@ def _task(cfg: DictConfig) -> int:
     _task_started = True
     from gpujobs.config import load_config
     from gpujobs.launch import check_paths, launch, resolve_cluster
-    from gpujobs.launch.rundir import discard_if_empty
     from gpujobs.launch.sweep import active_plan
+    from gpujobs.rundir.files import discard_if_empty
 
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)

@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 import torch
 
-from gpujobs.run.checkpoint import MARKER, CheckpointManager, CheckpointNotSaved
+from gpujobs.run.checkpoint import CheckpointManager, CheckpointNotSaved
+from gpujobs.rundir import MARKER
 
 
 def state(step: int) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from pathlib import Path
 from conftest import SLOW, read_result, sacct_state, slurm_job_id, submit
 from jobctl import RunningJob, attempts
 
-from gpujobs import lease
+from gpujobs.rundir import lease
 
 
 def test_a_second_local_submission_is_refused_and_the_first_completes(tmp_path: Path, straight_digest: str) -> None:

@@ -22,7 +22,7 @@ from test_sweep import TINY, array_of, gpujobs, job_ids, sweep, wait_final
 from gpujobs.atomic import read_jsonl
 from gpujobs.launch.follow import MetricsFollower
 from gpujobs.launch.manage import parse_sacct, sacct_state_of
-from gpujobs.launch.rundir import read_submissions, record_cancel, record_submission
+from gpujobs.rundir.files import read_submissions, record_cancel, record_submission
 
 #: What a crash leaves at the end of a JSON-lines file, and lines that are no record at all.
 TORN, GARBAGE = '{"step": 1, "loss": 0.', ("garbage\n", "[1, 2]\n", '{"step": 7, "loss": 0.5}}\n')

@@ -18,9 +18,9 @@ from conftest import REPO, assert_golden, compose_job, read_result, sacct_state,
 from omegaconf import OmegaConf
 
 from gpujobs.launch.manage import parse_sacct
-from gpujobs.launch.rundir import config_yaml, read_submissions
 from gpujobs.launch.sbatch import render_sbatch, sbatch_request
 from gpujobs.launch.sweep import Point, array_spec, chunks, header_groups
+from gpujobs.rundir.files import config_yaml, read_submissions
 
 TINY = ("+experiment=rec", "+debug=tiny", "cluster=slurm", "resources.procs_per_node=1")
 GOOD, BAD = "task=jobs.rec.task:build_task", "task=jobs.rec.task:no_such_builder"  # BAD fails in the job

@@ -24,8 +24,9 @@ from conftest import compose_job, read_metrics
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpujobs.errors import ConfigError
-from gpujobs.run.prometheus import PROMETHEUS_FILE, PrometheusExporter
+from gpujobs.run.prometheus import PrometheusExporter
 from gpujobs.run.straggler import Peer, StragglerCheck, imbalance
+from gpujobs.rundir import PROMETHEUS_FILE
 
 TINY = ("+experiment=rec", "+debug=tiny", "cluster=local")
 

@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 from gpujobs.config import JobConfig
 from gpujobs.errors import ConfigError
-from gpujobs.launch.rundir import write_config
+from gpujobs.rundir.files import write_config
 from gpujobs.validate import check_slurm_path
 
 
@@ -72,13 +72,13 @@ def preflight(job: JobConfig, cache: Optional[dict[Any, Any]] = None) -> None:
 
 def launch(job: JobConfig, run_dir: Path) -> int:
     """Preflight, then start the job (or, for a dry run, print its script); returns the exit code."""
-    from gpujobs.resume import check_run_dir
+    from gpujobs.rundir.resume import check_run_dir
 
     preflight(job)
     check_run_dir(job, run_dir)  # a run dir with checkpoints resumes only the same run
     if job.cluster.dry_run:
-        from gpujobs.launch.rundir import discard_if_empty
         from gpujobs.launch.slurm import single_executor
+        from gpujobs.rundir.files import discard_if_empty
 
         print(single_executor(job, run_dir).script(), end="")
         discard_if_empty(run_dir)  # a dry run leaves nothing behind, not even the empty run dir
@@ -89,7 +89,7 @@ def launch(job: JobConfig, run_dir: Path) -> int:
 def start(job: JobConfig, run_dir: Path) -> int:
     """Take the run dir's lease, write its config, then run or submit the already checked job; returns
     the exit code. Raises LeaseHeld, before anything is written, when another live job runs the run dir."""
-    from gpujobs import lease
+    from gpujobs.rundir import lease
 
     # this launcher's; a Slurm submission hands it to the job it queues
     lease.acquire(run_dir, lease.here(submitting=job.cluster.name == "slurm"))

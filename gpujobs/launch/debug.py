@@ -6,8 +6,7 @@ import os
 from pathlib import Path
 
 from gpujobs.config import JobConfig
-from gpujobs.launch.payload import make_payload
-from gpujobs.run.entry import TrainJob
+from gpujobs.run.payload import FromRunDir
 
 _DIST_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "SUBMITIT_LOCAL_JOB_ID", "SLURM_JOB_ID")
 
@@ -18,9 +17,6 @@ def run_debug(job: JobConfig, run_dir: Path) -> int:
         print(f"gpujobs: cluster=debug runs 1 rank in-process (config asks for {job.resources.world_size})")
     for var in _DIST_VARS:  # one rank, whatever job we may be running inside
         os.environ.pop(var, None)
-    payload = make_payload(job, run_dir)
-    if isinstance(payload, TrainJob):
-        payload.show_progress = job.trainer.progress
-    result = payload()
+    result = FromRunDir(str(run_dir), show_progress=job.trainer.progress)()
     print(f"gpujobs: {result['status']} in {run_dir}")
     return 0

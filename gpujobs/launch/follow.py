@@ -12,7 +12,7 @@ from typing import Any, Optional
 from gpujobs.atomic import jsonl_record
 from gpujobs.config import JobConfig
 from gpujobs.progress import ProgressView
-from gpujobs.run.entry import METRICS_FILE, RESULT_FILE
+from gpujobs.rundir import METRICS_FILE, RESULT_FILE
 
 _POLL_S = 0.25
 

@@ -11,11 +11,11 @@ import itertools
 import socket
 from pathlib import Path
 
-from gpujobs.attempts import AttemptLog, Decision
 from gpujobs.config import JobConfig
 from gpujobs.errors import ConfigError
 from gpujobs.launch.follow import JobFollower
-from gpujobs.launch.payload import make_payload
+from gpujobs.run.payload import FromRunDir
+from gpujobs.rundir.attempts import AttemptLog, Decision
 
 
 def check_local_resources(job: JobConfig, gpus_here: int) -> None:
@@ -62,7 +62,7 @@ def run_local(job: JobConfig, run_dir: Path) -> int:
     with JobFollower(run_dir, job) as follower:
         for number in itertools.count(1):
             before = len(attempts.read())
-            sjob = executor.submit(make_payload(job, run_dir, master_port=free_port()))
+            sjob = executor.submit(FromRunDir(str(run_dir), master_port=free_port()))
             # submitit waits up to 15 s per rank for a result file that a slow shared filesystem may
             # not show yet; here the disk is local, and a rank that stopped to be requeued leaves none.
             for task in sjob._sub_jobs or [sjob]:

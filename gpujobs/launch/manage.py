@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any, Optional
 
 from gpujobs.atomic import read_jsonl
-from gpujobs.attempts import AttemptLog
 from gpujobs.errors import GpujobsError
-from gpujobs.launch.rundir import CONFIG_FILE, read_config, read_submissions, record_cancel
-from gpujobs.run.entry import METRICS_FILE, RESULT_FILE
+from gpujobs.rundir import CONFIG_FILE, METRICS_FILE, RESULT_FILE
+from gpujobs.rundir.attempts import AttemptLog
+from gpujobs.rundir.files import read_config, read_submissions, record_cancel
 
 #: States after which a job will not run again by itself.
 FINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",

@@ -16,14 +16,12 @@ from typing import Any, Optional
 
 import submitit
 
-from gpujobs import lease
 from gpujobs.atomic import FsyncBatch, write_text_atomic
 from gpujobs.config import JobConfig
 from gpujobs.errors import SubmitError
-from gpujobs.launch.rundir import record_submission
 from gpujobs.launch.sbatch import job_command, render_sbatch, sbatch_request
-
-SBATCH_FILE = "submit.sbatch"
+from gpujobs.rundir import SBATCH_FILE, lease
+from gpujobs.rundir.files import record_submission
 
 
 class GpujobsSlurmExecutor(submitit.SlurmExecutor):

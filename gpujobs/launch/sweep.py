@@ -42,7 +42,7 @@ from typing import Any, Optional
 from gpujobs.atomic import fsync_batch, write_json_atomic, write_text_atomic
 from gpujobs.config import JobConfig
 from gpujobs.launch import preflight
-from gpujobs.launch.rundir import discard_if_empty, write_config
+from gpujobs.rundir.files import discard_if_empty, write_config
 
 SWEEP_FILE = "sweep.json"
 #: Set (True) on a task function that, in a gpujobs sweep, only plans its point (`gpujobs.submit`'s): the
@@ -185,8 +185,8 @@ def submit_arrays(points: list[Point], folder: Path, *, dry_run: bool = False) -
 
 def _queue_array(points: list[Point], folder: Path) -> list[Outcome]:
     """Write the points' run dirs, queue them as one array, record each point's job id."""
-    from gpujobs.launch.rundir import record_submission
     from gpujobs.launch.slurm import keep_script
+    from gpujobs.rundir.files import record_submission
 
     executor, points_file = array_executor(points, folder)
     with fsync_batch() as batch:  # every file durable before sbatch, in one pass of fsyncs

@@ -40,10 +40,10 @@ import torch
 from gpujobs.atomic import fsync_path, write_json_atomic
 from gpujobs.errors import GpujobsError
 from gpujobs.run import collectives
+from gpujobs.rundir import MARKER
 
 log = logging.getLogger(__name__)
 
-MARKER = "COMPLETE"
 SHARED_FILE = "state.pt"
 _PREFIX = "step_"
 _TMP = ".tmp-"

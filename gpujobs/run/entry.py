@@ -16,12 +16,10 @@ from pathlib import Path
 from typing import Any, Optional
 
 from gpujobs.config import JobConfig
+from gpujobs.rundir import CHECKPOINT_DIR, METRICS_FILE, RESULT_FILE
 
 log = logging.getLogger("gpujobs")
 
-RESULT_FILE = "result.json"
-METRICS_FILE = "metrics.jsonl"
-CHECKPOINT_DIR = "checkpoints"
 
 
 def load_task_builder(path: str) -> Any:

@@ -19,7 +19,6 @@ from gpujobs.nvml import NvmlUnavailable, VisibleGpu, XidWatcher, nvml_session, 
 
 log = logging.getLogger(__name__)
 
-GPU_FILE = "gpu.jsonl"
 
 #: Called with each sample's records (rank 0 feeds them to its Prometheus endpoint).
 SampleSink = Callable[[list[dict[str, Any]]], None]

@@ -27,8 +27,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, Optional
 
-from gpujobs.attempts import AttemptLog, Decision
 from gpujobs.config import JobConfig
+from gpujobs.rundir.attempts import AttemptLog, Decision
 
 log = logging.getLogger(__name__)
 

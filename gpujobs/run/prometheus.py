@@ -22,10 +22,10 @@ from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
 from gpujobs.atomic import write_text_atomic
 from gpujobs.run.straggler import Peer
+from gpujobs.rundir import PROMETHEUS_FILE
 
 log = logging.getLogger(__name__)
 
-PROMETHEUS_FILE = "prometheus.json"
 _ALL_INTERFACES = ("0.0.0.0", "::", "")
 _RANK_LABELS = ("job", "rank", "node", "gpu")
 _GPU_LABELS = ("job", "node", "gpu", "uuid", "rank")

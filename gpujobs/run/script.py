@@ -24,8 +24,8 @@ from typing import Any, Optional
 
 from gpujobs.atomic import write_json_atomic
 from gpujobs.config import JobConfig
-from gpujobs.run.entry import RESULT_FILE
 from gpujobs.run.jobenv import detect, export_torchrun_env
+from gpujobs.rundir import RESULT_FILE
 
 #: What the script gets when the job must stop.
 STOP_SIGNAL = signal.SIGTERM

@@ -22,13 +22,11 @@ import uuid
 from pathlib import Path
 from typing import Optional
 
-from gpujobs import lease
 from gpujobs.atomic import write_text_atomic
-from gpujobs.launch.rundir import CONFIG_FILE, read_config
-from gpujobs.run.entry import RESULT_FILE
 from gpujobs.run.preemption import catch_early
+from gpujobs.rundir import CONFIG_FILE, RERUNS_DIR, RESULT_FILE, lease
+from gpujobs.rundir.files import read_config
 
-RERUNS_DIR = "reruns"
 #: Exit status of a job that found its run dir held by another live job.
 EXIT_STOOD_DOWN = 3
 
@@ -97,7 +95,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     from submitit.core.submission import process_job
     from submitit.core.utils import DelayedSubmission, JobPaths, cloudpickle_dump
 
-    from gpujobs.launch.payload import make_payload
+    from gpujobs.run.payload import make_payload
 
     os.environ["SUBMITIT_FOLDER"] = str(args.folder)
     env = submitit.JobEnvironment()

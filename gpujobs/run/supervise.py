@@ -20,10 +20,10 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from gpujobs.attempts import AttemptLog
-from gpujobs.launch.rundir import read_config
 from gpujobs.run import start
 from gpujobs.run.preemption import record_attempt, slurm_job_id
+from gpujobs.rundir.attempts import AttemptLog
+from gpujobs.rundir.files import read_config
 
 # "srun: error: node1: task 0: Killed", "srun: error: node2: tasks 1-3: Exited with exit code 1"
 _TASK_LINE = re.compile(r"srun: error: (?P<node>[^:]+): tasks? (?P<tasks>[0-9,\-]+): (?P<what>.+)$")

@@ -13,10 +13,11 @@ from pathlib import Path
 from typing import Any, Optional
 
 from gpujobs.config import JobConfig, TelemetryConfig
-from gpujobs.run.gpu_sampler import GPU_FILE, GpuSampler
+from gpujobs.run.gpu_sampler import GpuSampler
 from gpujobs.run.jobenv import DistInfo
 from gpujobs.run.prometheus import PrometheusExporter
 from gpujobs.run.straggler import Peer, StragglerCheck
+from gpujobs.rundir import GPU_FILE
 
 log = logging.getLogger(__name__)
 

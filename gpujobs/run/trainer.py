@@ -16,7 +16,6 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from gpujobs.config import JobConfig
-from gpujobs.resume import check_same_run
 from gpujobs.run import collectives
 from gpujobs.run.checkpoint import CheckpointManager
 from gpujobs.run.jobenv import DistInfo
@@ -25,6 +24,7 @@ from gpujobs.run.optim import build_optimizer, build_scheduler
 from gpujobs.run.preemption import PreemptionWatcher
 from gpujobs.run.task import Task
 from gpujobs.run.telemetry import Telemetry
+from gpujobs.rundir.resume import check_same_run
 
 log = logging.getLogger(__name__)
 

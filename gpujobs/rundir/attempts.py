@@ -17,8 +17,7 @@ from typing import Any
 
 from gpujobs.atomic import fsync_path, read_jsonl, write_text_atomic
 from gpujobs.config import ClusterConfig
-
-ATTEMPTS_FILE = "attempts.jsonl"
+from gpujobs.rundir import ATTEMPTS_FILE
 
 
 @dataclass(frozen=True)

@@ -27,10 +27,10 @@ from typing import Optional
 
 from gpujobs.atomic import fsync_path, write_text_atomic
 from gpujobs.errors import GpujobsError
+from gpujobs.rundir import LEASE_FILE
 
 log = logging.getLogger(__name__)
 
-LEASE_FILE = "lease.json"
 #: Slurm states in which a job may still run (or is running) in its run dir.
 _LIVE_STATES = {
     "PENDING", "RUNNING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING", "SUSPENDED", "COMPLETING",

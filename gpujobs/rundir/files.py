@@ -15,10 +15,7 @@ from omegaconf._utils import get_omega_conf_dumper
 
 from gpujobs.atomic import FsyncBatch, append_jsonl, read_jsonl, write_text_atomic
 from gpujobs.config import JobConfig, load_config
-
-CONFIG_FILE = "config.yaml"
-#: One line per Slurm submission of the run dir: its job id and where its logs go (status, logs, cancel).
-SUBMISSIONS_FILE = "slurm_jobs.jsonl"
+from gpujobs.rundir import CONFIG_FILE, SUBMISSIONS_FILE
 
 
 class _Dumper(getattr(yaml, "CDumper", yaml.Dumper)):  # type: ignore[misc]

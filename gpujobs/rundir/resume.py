@@ -14,9 +14,8 @@ from typing import Any, Optional
 
 from gpujobs.config import JobConfig
 from gpujobs.errors import GpujobsError
+from gpujobs.rundir import CHECKPOINT_DIR, MARKER
 
-CHECKPOINT_DIR = "checkpoints"
-MARKER = "COMPLETE"
 _PREFIX = "step_"
 
 #: Config sections and keys that decide what a training step computes.

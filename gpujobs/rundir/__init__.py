@@ -1,0 +1,43 @@
+"""The run directory: one torch-free package owns its layout, its records and its lease; both sides use it.
+
+A run dir is shared by every attempt of its job (requeues, restarts, a hand-run `sbatch` of its
+`submit.sbatch`). Every file name is defined here, once::
+
+    config.yaml        the resolved, validated config (`files.write_config` / `files.read_config`)
+    checkpoints/       step_<N>/ with a COMPLETE marker written last (gpujobs.run.checkpoint)
+    attempts.jsonl     one line per attempt (`attempts.AttemptLog`)
+    result.json        the completed run's result
+    metrics.jsonl      rank 0's metrics, one line per log step
+    gpu.jsonl          GPU telemetry samples
+    slurm_jobs.jsonl   the Slurm submissions of the run dir (`files.read_submissions`)
+    lease.json         the job that runs the run dir (`lease`)
+    submit.sbatch      the script that queues the run dir alone
+    prometheus.json    where the Prometheus endpoint listens
+    reruns/<job id>/   runs of a completed run dir's submit.sbatch queued again
+
+JSON-lines files are read with `read_jsonl`, which skips a line torn by a crash. Modules:
+`files` (config and submissions), `attempts` (the ledger and its budgets), `lease` (one job per run
+dir) and `resume` (resume only the same run). The job side imports these, never `gpujobs.launch`.
+"""
+
+from __future__ import annotations
+
+from gpujobs.atomic import read_jsonl
+
+CONFIG_FILE = "config.yaml"
+CHECKPOINT_DIR = "checkpoints"
+MARKER = "COMPLETE"
+ATTEMPTS_FILE = "attempts.jsonl"
+RESULT_FILE = "result.json"
+METRICS_FILE = "metrics.jsonl"
+GPU_FILE = "gpu.jsonl"
+SUBMISSIONS_FILE = "slurm_jobs.jsonl"
+LEASE_FILE = "lease.json"
+SBATCH_FILE = "submit.sbatch"
+PROMETHEUS_FILE = "prometheus.json"
+RERUNS_DIR = "reruns"
+
+__all__ = [
+    "ATTEMPTS_FILE", "CHECKPOINT_DIR", "CONFIG_FILE", "GPU_FILE", "LEASE_FILE", "MARKER", "METRICS_FILE",
+    "PROMETHEUS_FILE", "RERUNS_DIR", "RESULT_FILE", "SBATCH_FILE", "SUBMISSIONS_FILE", "read_jsonl",
+]
