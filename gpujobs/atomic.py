@@ -93,8 +93,8 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [record for line in data.splitlines() if (record := jsonl_record(line)) is not None]
 
 
-def append_jsonl(path: Path, record: dict[str, Any]) -> None:
-    """Append `record` as one line (flushed, not fsynced), on a line of its own.
+def append_jsonl(path: Path, record: dict[str, Any], durable: bool = False) -> None:
+    """Append `record` as one line (flushed; with `durable`, fsynced with its directory), on a line of its own.
 
     After a writer that died mid-line the file ends without a newline: one is written first, so the
     torn line stays alone (and is skipped by readers) instead of swallowing this record.
@@ -104,4 +104,9 @@ def append_jsonl(path: Path, record: dict[str, Any]) -> None:
             handle.seek(-1, os.SEEK_END)
             if handle.read(1) != b"\n":
                 handle.write(b"\n")
-        handle.write(json.dumps(record).encode() + b"\n")
+        handle.write(json.dumps(record, sort_keys=True).encode() + b"\n")
+        if durable:
+            handle.flush()
+            os.fsync(handle.fileno())
+    if durable:
+        fsync_path(path.parent)

@@ -7,25 +7,27 @@ RUN_DIR/report/{loss,throughput,step_time,gpu}.png and prints the summary.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from collections import Counter, defaultdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from gpujobs.atomic import read_jsonl
-from gpujobs.rundir import GPU_FILE, METRICS_FILE, RESULT_FILE
+from gpujobs.rundir import GPU_FILE, METRICS_FILE
+from gpujobs.rundir.records import Result, read_result
 
 REPORT_DIR = "report"
 
 
-def summarize(metrics: list[dict[str, Any]], gpus: list[dict[str, Any]], result: dict[str, Any]) -> list[str]:
+def summarize(metrics: list[dict[str, Any]], gpus: list[dict[str, Any]], result: Optional[Result]) -> list[str]:
     """The text summary: final metrics, throughput, imbalance, GPU use."""
     train = [r for r in metrics if r.get("kind") == "train"]
     evals = [r for r in metrics if r.get("kind") == "eval"]
-    lines = [f"status {result.get('status', '?')}, {result.get('steps', '?')} steps, "
-             f"{result.get('world_size', '?')} ranks, wall {result.get('wall_s', '?')} s"]
+    if result is None:
+        lines = ["status running or failed (no result.json)"]
+    else:
+        lines = [f"status {result.status}, {result.steps} steps, {result.world_size} ranks, wall {result.wall_s} s"]
     if evals:
         last = {k: v for k, v in evals[-1].items() if k not in ("kind", "time")}
         lines.append("final eval: " + ", ".join(f"{k}={v}" for k, v in last.items()))
@@ -133,8 +135,7 @@ def report(run_dir: Path) -> list[str]:
     if not metrics:
         raise FileNotFoundError(f"{run_dir / METRICS_FILE}: missing or empty (is this a gpujobs run dir?)")
     gpus = read_jsonl(run_dir / GPU_FILE)
-    result_path = run_dir / RESULT_FILE
-    result = json.loads(result_path.read_text()) if result_path.exists() else {"status": "running or failed"}
+    result = read_result(run_dir)
     written = plot(metrics, gpus, run_dir / REPORT_DIR)
     return [*summarize(metrics, gpus, result), "plots: " + ", ".join(str(p) for p in written)]
 

@@ -52,8 +52,8 @@ def test_sigkill_while_saving_never_exposes_a_torn_checkpoint(tmp_path: Path) ->
         assert shared["step"] == complete[-1]
         assert torch.equal(shared["model"]["w"], torch.full((256, 256), float(complete[-1])))
         assert torch.equal(own["rng"], torch.full((64,), float(complete[-1])))
-        loaded = manager.load_latest()
-        assert loaded is not None and loaded["step"] == complete[-1]
+        loaded, skipped = manager.load_latest()
+        assert loaded is not None and loaded.step == complete[-1] and skipped == []
         assert complete[-1] >= newest  # never goes back
         newest = complete[-1]
     assert newest > TRIALS // 2  # the savers made progress between kills

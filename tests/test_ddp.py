@@ -13,7 +13,7 @@ TINY = ("+experiment=rec", "+debug=tiny", "cluster=local")
 
 
 def test_two_rank_gloo_run_fills_the_run_dir(run_dir: Path) -> None:
-    proc = submit(run_dir, *TINY, "nccl=debug")
+    proc = submit(run_dir, *TINY, "nccl=debug", "+nccl.extra.NCCL_IB_DISABLE=true")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = read_result(run_dir)
     assert result["status"] == "completed"
@@ -29,11 +29,12 @@ def test_two_rank_gloo_run_fills_the_run_dir(run_dir: Path) -> None:
     assert all(len(r["step_time_s"]) == 2 and min(r["step_time_s"]) > 0 for r in train)
     assert [r["step"] for r in read_metrics(run_dir) if r["kind"] == "eval"] == [6, 12]
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_00000008", "step_00000012"]
-    # the NCCL preset reached every rank's environment before the process group started
+    # the NCCL preset reached every rank's environment before the process group started, and a boolean
+    # NCCL variable as NCCL reads it (`true` would be read as 0)
     logs = sorted((run_dir / "submitit").glob("*_log.err"))
     assert len(logs) == 2
     for log in logs:
-        assert "'NCCL_DEBUG': 'INFO'" in log.read_text()
+        assert "'NCCL_DEBUG': 'INFO'" in log.read_text() and "'NCCL_IB_DISABLE': '1'" in log.read_text()
     assert "step 12" in proc.stdout  # rank 0's progress streamed by the launcher
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Iterator
@@ -13,6 +12,7 @@ from gpujobs.atomic import jsonl_record
 from gpujobs.config import JobConfig
 from gpujobs.progress import ProgressView
 from gpujobs.rundir import METRICS_FILE, RESULT_FILE
+from gpujobs.rundir.records import read_result
 
 _POLL_S = 0.25
 
@@ -86,13 +86,14 @@ class JobFollower:
 
     def print_result(self) -> None:
         """One line of the result's headline numbers, and where the result is."""
-        path = self.run_dir / RESULT_FILE
-        if not path.exists():
+        result = read_result(self.run_dir)
+        if result is None:
             return
-        result = json.loads(path.read_text())
-        keys = ("status", "steps", "world_size", "auc", "oracle_auc", "samples_per_s")
-        print("gpujobs: " + " ".join(f"{k}={result[k]}" for k in keys if k in result))
-        print(f"gpujobs: result in {path}")
+        shown: dict[str, Any] = {"status": result.status, "steps": result.steps, "world_size": result.world_size,
+                 **{k: result.metrics[k] for k in ("auc", "oracle_auc") if k in result.metrics},
+                 "samples_per_s": result.samples_per_s}
+        print("gpujobs: " + " ".join(f"{k}={v}" for k, v in shown.items() if v is not None))
+        print(f"gpujobs: result in {self.run_dir / RESULT_FILE}")
 
 
 def failure_line(err: Exception) -> str:

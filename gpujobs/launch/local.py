@@ -93,6 +93,6 @@ def _judge_attempt(job: JobConfig, attempts: AttemptLog, before: int, error: str
     history = attempts.read()
     if len(history) > before:
         last = history[-1]
-        return last["reason"], Decision(bool(last.get("requeue")), str(last.get("why"))), last.get("error") or error
-    _, decision = attempts.record(job.cluster, {"reason": "failed", "error": error, "recorded_by": "launcher"})
-    return "failed", decision, error
+        return last.reason, Decision(last.requeue, last.why), last.error or error
+    recorded = attempts.record(job.cluster, "failed", error=error, recorded_by="launcher")
+    return "failed", Decision(recorded.requeue, recorded.why), error

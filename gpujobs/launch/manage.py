@@ -9,7 +9,6 @@ torn or garbage line in any of them is skipped, never fatal.
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 from dataclasses import dataclass, field
@@ -18,9 +17,10 @@ from typing import Any, Optional
 
 from gpujobs.atomic import read_jsonl
 from gpujobs.errors import GpujobsError
-from gpujobs.rundir import CONFIG_FILE, METRICS_FILE, RESULT_FILE
+from gpujobs.rundir import CONFIG_FILE, METRICS_FILE
 from gpujobs.rundir.attempts import AttemptLog
 from gpujobs.rundir.files import read_config, read_submissions, record_cancel
+from gpujobs.rundir.records import read_result
 
 #: States after which a job will not run again by itself.
 FINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
@@ -138,14 +138,15 @@ def state_from_files(point: PointState) -> tuple[str, bool]:
     last attempt says it will not be requeued. An attempt of an earlier job (the point was resubmitted
     since) says nothing about the current one.
     """
-    if _json(point.run_dir / RESULT_FILE).get("status") == "completed":
+    result = read_result(point.run_dir)
+    if result is not None and result.completed:
         return "completed (files)", True
     if point.cancelled:
         return "cancelled (files)", True
     attempts = AttemptLog(point.run_dir).read()
-    if not attempts or attempts[-1].get("job_id") != point.job_id:
+    if not attempts or attempts[-1].job_id != point.job_id:
         return "? (files)", False
-    return f"{attempts[-1].get('reason', '?')} (files)", attempts[-1].get("requeue") is False
+    return f"{attempts[-1].reason} (files)", not attempts[-1].requeue
 
 
 def refresh(points: list[PointState], timeout_s: float = 10.0) -> Optional[str]:
@@ -167,21 +168,14 @@ def refresh(points: list[PointState], timeout_s: float = 10.0) -> Optional[str]:
     return None
 
 
-def _json(path: Path) -> dict[str, Any]:
-    try:
-        return dict(json.loads(path.read_text()))
-    except (OSError, ValueError):
-        return {}
-
-
 def progress(run_dir: Path) -> tuple[str, str]:
     """(last step, last metric): the result's AUC when there is one, else the last logged loss."""
-    result = _json(run_dir / RESULT_FILE)
+    result = read_result(run_dir)
     records = [r for r in read_jsonl(run_dir / METRICS_FILE) if "step" in r]
     last = records[-1] if records else {}
-    step = result.get("steps", last.get("step", ""))
-    if isinstance(result.get("auc"), (int, float)):
-        return str(step), f"auc={result['auc']:.4f}"
+    step = result.steps if result is not None and result.steps is not None else last.get("step", "")
+    if result is not None and "auc" in result.metrics:
+        return str(step), f"auc={result.metrics['auc']:.4f}"
     metric = next((f"{key}={last[key]:.4f}" for key in ("auc", "loss") if isinstance(last.get(key), (int, float))), "")
     return str(step), metric
 
@@ -189,7 +183,7 @@ def progress(run_dir: Path) -> tuple[str, str]:
 def attempts_text(run_dir: Path) -> str:
     """How many attempts ran, and why the last one ended."""
     attempts = AttemptLog(run_dir).read()
-    return f"{len(attempts)} ({attempts[-1].get('reason', '?')})" if attempts else "0"
+    return f"{len(attempts)} ({attempts[-1].reason})" if attempts else "0"
 
 
 def status_table(points: list[PointState]) -> Any:

@@ -59,9 +59,9 @@ _CHUNK = 8 << 20
 def _checksum(path: Path) -> tuple[int, int]:
     """Size and CRC-32 of a file (just written: its pages are still in the page cache)."""
     size, crc = 0, 0
-    buffer = bytearray(_CHUNK)
-    view = memoryview(buffer)
     with open(path, "rb", buffering=0) as handle:
+        buffer = bytearray(min(_CHUNK, max(1, os.fstat(handle.fileno()).st_size)))
+        view = memoryview(buffer)
         while read := handle.readinto(buffer):
             crc = zlib.crc32(view[:read], crc)
             size += read

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from gpujobs.config import JobConfig
-from gpujobs.rundir import CHECKPOINT_DIR, METRICS_FILE, RESULT_FILE
+from gpujobs.rundir import CHECKPOINT_DIR, METRICS_FILE
+from gpujobs.rundir.records import write_result
 
 log = logging.getLogger("gpujobs")
 
@@ -61,7 +62,6 @@ class TrainJob:
     def _run(self, info: Any, watcher: Any, attempt: _Attempt, cleanup: contextlib.ExitStack) -> dict[str, Any]:
         import torch
 
-        from gpujobs.atomic import write_json_atomic
         from gpujobs.progress import ProgressView
         from gpujobs.run import distributed
         from gpujobs.run.checkpoint import CheckpointManager
@@ -107,17 +107,17 @@ class TrainJob:
         line = {
             "start": round(attempt.started, 3), "start_step": result["start_step"], "steps_done": result["steps"],
             "resumed_from": result["resumed_from"], "saved": result["saved"],
-            **({"resume_skipped": result["resume_skipped"]} if "resume_skipped" in result else {}),
+            "resume_skipped": result["resume_skipped"],
         }
         if result["status"] == "preempted":
             reason = classify_stop(job, attempt.started, watcher.flagged_at)
             if info.is_main:
-                record_attempt(self.run_dir, job, {"reason": reason, **line})
+                record_attempt(self.run_dir, job, reason, **line)
             log.warning("stopped at step %d (%s): checkpoint saved, exiting", result["steps"], reason)
             raise SystemExit(EXIT_REQUEUED)  # like submitit: no result pickle, the job is not over
         if info.is_main:
-            record_attempt(self.run_dir, job, {"reason": "completed", **line})
-            write_json_atomic(run_dir / RESULT_FILE, result)
+            record_attempt(self.run_dir, job, "completed", **line)
+            write_result(run_dir, result)
         return result
 
 
@@ -140,15 +140,12 @@ class _Attempt:
 
         message = str(err).strip().splitlines()
         trainer = self.trainer
-        record = {
-            "reason": "failed", "start": round(self.started, 3),
-            "steps_done": trainer.step if trainer is not None else None,
-            "resumed_from": trainer.resumed_from if trainer is not None else None,
-            **({"resume_skipped": trainer.resume_skipped} if trainer is not None and trainer.resume_skipped else {}),
-            "error": f"{type(err).__name__}: {message[0] if message else ''}",
+        progress = {} if trainer is None else {
+            "steps_done": trainer.step, "resumed_from": trainer.resumed_from, "resume_skipped": trainer.resume_skipped,
         }
+        error = f"{type(err).__name__}: {message[0] if message else ''}"
         try:
-            record_attempt(self.run_dir, self.job, record)
+            record_attempt(self.run_dir, self.job, "failed", start=round(self.started, 3), error=error, **progress)
         except Exception as record_err:  # never hide the real failure behind this one
             log.error("could not record the failed attempt: %s", record_err)
 

@@ -28,7 +28,8 @@ from types import FrameType
 from typing import Any, Optional
 
 from gpujobs.config import JobConfig
-from gpujobs.rundir.attempts import AttemptLog, Decision
+from gpujobs.rundir.attempts import AttemptLog
+from gpujobs.rundir.records import Attempt
 
 log = logging.getLogger(__name__)
 
@@ -95,25 +96,25 @@ def classify_stop(job: JobConfig, attempt_started: float, signalled_at: Optional
     return "timeout" if at - attempt_started >= limit_s - job.cluster.signal_lead_s - _TIMEOUT_SLACK_S else "preempted"
 
 
-def record_attempt(run_dir: str, job: JobConfig, record: dict[str, Any]) -> Decision:
-    """Rank 0: decide whether to go again, write the attempt's line, and requeue on Slurm if so.
+def record_attempt(run_dir: str, job: JobConfig, reason: str, **fields: Any) -> Attempt:
+    """Rank 0 (or the supervisor): decide whether to go again, write the attempt's line (`fields`: the
+    other `Attempt` fields), and requeue on Slurm if so; returns the attempt as recorded.
 
     The line is written before `scontrol requeue`, which ends this job instance; a requeue that still
     fails after its retries amends that same line, so each attempt keeps exactly one.
     """
     job_id = slurm_job_id()
-    attempts = AttemptLog(Path(run_dir))
-    number, decision = attempts.record(job.cluster, {**record, "job_id": job_id})
-    log.warning("attempt %d ended: %s; %s", number, record["reason"], decision.why)
-    if decision.requeue and job_id is not None and job.cluster.name == "slurm":
+    ledger = AttemptLog(Path(run_dir))
+    attempt = ledger.record(job.cluster, reason, job_id=job_id, **fields)
+    log.warning("attempt %d ended: %s; %s", attempt.attempt, reason, attempt.why)
+    if attempt.requeue and job_id is not None and job.cluster.name == "slurm":
         error = requeue(job_id)
         if error is None:
             log.warning("requeued Slurm job %s", job_id)
         else:
-            decision = Decision(False, f"{decision.why}, but the requeue failed: {error}")
-            attempts.amend_last({"requeue": False, "why": decision.why})
-            log.error("attempt %d: %s", number, decision.why)
-    return decision
+            attempt = ledger.amend_last(requeue=False, why=f"{attempt.why}, but the requeue failed: {error}")
+            log.error("attempt %d: %s", attempt.attempt, attempt.why)
+    return attempt
 
 
 def requeue(job_id: str, tries: int = _REQUEUE_TRIES) -> Optional[str]:

@@ -22,10 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from gpujobs.atomic import write_json_atomic
 from gpujobs.config import JobConfig
 from gpujobs.run.jobenv import detect, export_torchrun_env
-from gpujobs.rundir import RESULT_FILE
+from gpujobs.rundir.records import write_result
 
 #: What the script gets when the job must stop.
 STOP_SIGNAL = signal.SIGTERM
@@ -62,12 +61,12 @@ class ScriptJob:
         if watcher.flagged:
             reason = classify_stop(self.job, started, watcher.flagged_at)
             if info.is_main:
-                record_attempt(self.run_dir, self.job, {"reason": reason, **line})
+                record_attempt(self.run_dir, self.job, reason, **line)
             raise SystemExit(EXIT_REQUEUED)  # like the trainer: no result, the job is not over
         if code != 0:
             error = f"{script.path} exited with code {code} on rank {info.rank}"
             if info.is_main:
-                record_attempt(self.run_dir, self.job, {"reason": "failed", **line, "error": error})
+                record_attempt(self.run_dir, self.job, "failed", **line, error=error)
             raise RuntimeError(error)
         result = {
             "status": "completed",
@@ -77,8 +76,8 @@ class ScriptJob:
             "wall_s": round(time.perf_counter() - clock, 3),
         }
         if info.is_main:
-            record_attempt(self.run_dir, self.job, {"reason": "completed", **line})
-            write_json_atomic(Path(self.run_dir) / RESULT_FILE, result)
+            record_attempt(self.run_dir, self.job, "completed", **line)
+            write_result(Path(self.run_dir), result)
         return {**result, "rank": info.rank, "node": info.node}
 
 

@@ -15,7 +15,6 @@ for any submitit job). So the `submit.sbatch` kept in every Slurm run dir can be
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import uuid
@@ -24,8 +23,9 @@ from typing import Optional
 
 from gpujobs.atomic import write_text_atomic
 from gpujobs.run.preemption import catch_early
-from gpujobs.rundir import CONFIG_FILE, RERUNS_DIR, RESULT_FILE, lease
+from gpujobs.rundir import CONFIG_FILE, RERUNS_DIR, lease
 from gpujobs.rundir.files import read_config
+from gpujobs.rundir.records import read_result
 
 #: Exit status of a job that found its run dir held by another live job.
 EXIT_STOOD_DOWN = 3
@@ -41,10 +41,8 @@ def point_run_dir(points_file: Path, task_id: int) -> Path:
 
 def completed(run_dir: Path) -> bool:
     """Whether the run dir holds the result of a run that completed."""
-    try:
-        return json.loads((run_dir / RESULT_FILE).read_text()).get("status") == "completed"
-    except (OSError, ValueError):
-        return False
+    result = read_result(run_dir)
+    return result is not None and result.completed
 
 
 def training_dir(run_dir: Path, job_id: str) -> Path:

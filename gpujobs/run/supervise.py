@@ -65,10 +65,8 @@ def supervise(run_dir: Path, job_id: str, command: list[str]) -> int:
         return code  # rank 0 recorded the attempt (and requeued the job if it may go again)
     what = died(lines)
     error = "; ".join(what) if what else f"srun exited with code {code}"
-    record_attempt(str(train_dir), job, {
-        "reason": "failed", "recorded_by": "supervisor",
-        "error": f"the ranks recorded nothing: {error}",
-    })
+    why = f"the ranks recorded nothing: {error}"
+    record_attempt(str(train_dir), job, "failed", recorded_by="supervisor", error=why)
     return code
 
 

@@ -247,7 +247,7 @@ class Trainer:
             "wall_s": round(time.perf_counter() - wall_start, 3),
             "param_digest": param_digest(self.model),
             "resumed_from": self.resumed_from,
-            **({"resume_skipped": self.resume_skipped} if self.resume_skipped else {}),
+            "resume_skipped": self.resume_skipped,
         }
 
     # ------------------------------------------------------------------ helpers

@@ -8,16 +8,17 @@ a busy cluster; failing by itself twenty times is a bug that no requeue will fix
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpujobs.atomic import fsync_path, read_jsonl, write_text_atomic
+from gpujobs.atomic import append_jsonl, write_text_atomic
 from gpujobs.config import ClusterConfig
 from gpujobs.rundir import ATTEMPTS_FILE
+from gpujobs.rundir.records import Attempt, read_attempts
 
 
 @dataclass(frozen=True)
@@ -41,12 +42,12 @@ class RequeuePolicy:
         """The budgets `cluster` sets (max_preemptions, max_timeouts, max_restarts)."""
         return cls(cluster.max_preemptions, cluster.max_timeouts, cluster.max_restarts)
 
-    def decide(self, history: list[dict[str, Any]], reason: str) -> Decision:
+    def decide(self, history: list[Attempt], reason: str) -> Decision:
         """Decide for an attempt that just ended with `reason`, given the attempts before it."""
         if reason == "completed":
             return Decision(False, "completed")
         budget = {"preempted": self.max_preemptions, "timeout": self.max_timeouts, "failed": self.max_failures}[reason]
-        used = sum(1 for line in history if line.get("reason") == reason)
+        used = sum(1 for line in history if line.reason == reason)
         if used < budget:
             return Decision(True, f"{reason} {used + 1} of at most {budget}")
         return Decision(False, f"{reason} budget exhausted ({budget} {reason} attempts allowed)")
@@ -58,29 +59,28 @@ class AttemptLog:
     def __init__(self, run_dir: Path) -> None:
         self.path = Path(run_dir) / ATTEMPTS_FILE
 
-    def read(self) -> list[dict[str, Any]]:
-        """All complete lines, oldest first (a torn last line from a crash is ignored)."""
-        return read_jsonl(self.path)
+    def read(self) -> list[Attempt]:
+        """All attempts, oldest first (a torn last line from a crash is ignored)."""
+        return read_attempts(self.path.parent)
 
-    def record(self, cluster: ClusterConfig, record: dict[str, Any]) -> tuple[int, Decision]:
-        """Decide whether another attempt may follow the one that just ended, and write its line;
-        returns the attempt's number and the decision."""
+    def record(self, cluster: ClusterConfig, reason: str, **fields: Any) -> Attempt:
+        """Decide whether another attempt may follow the one that just ended with `reason`, and write
+        its line (`fields`: the other `Attempt` fields); returns the attempt as written."""
         history = self.read()
-        decision = RequeuePolicy.of(cluster).decide(history, record["reason"])
-        self.append({"attempt": len(history) + 1, **record, "requeue": decision.requeue, "why": decision.why})
-        return len(history) + 1, decision
+        decision = RequeuePolicy.of(cluster).decide(history, reason)
+        attempt = Attempt(
+            attempt=len(history) + 1, reason=reason, requeue=decision.requeue, why=decision.why,
+            end=round(time.time(), 3), **fields,
+        )
+        self._append(attempt)
+        return attempt
 
-    def amend_last(self, changes: dict[str, Any]) -> None:
+    def amend_last(self, **changes: Any) -> Attempt:
         """Update the last attempt's line in place (atomically: the file is rewritten whole)."""
-        lines = self.read()
-        lines[-1].update(changes)
-        write_text_atomic(self.path, "".join(json.dumps(line, sort_keys=True) + "\n" for line in lines))
+        attempts = self.read()
+        attempts[-1] = dataclasses.replace(attempts[-1], **changes)
+        write_text_atomic(self.path, "".join(json.dumps(a.to_json(), sort_keys=True) + "\n" for a in attempts))
+        return attempts[-1]
 
-    def append(self, record: dict[str, Any]) -> None:
-        """Add one attempt's line, durably."""
-        line = json.dumps({"end": round(time.time(), 3), **record}, sort_keys=True) + "\n"
-        with open(self.path, "a") as handle:
-            handle.write(line)
-            handle.flush()
-            os.fsync(handle.fileno())
-        fsync_path(self.path.parent)
+    def _append(self, attempt: Attempt) -> None:
+        append_jsonl(self.path, attempt.to_json(), durable=True)

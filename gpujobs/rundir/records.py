@@ -1,0 +1,145 @@
+"""The records that cross modules, typed once: an attempt (attempts.jsonl) and a result (result.json).
+
+Writers build them from their fields; readers get them from `read_attempts` / `read_result`, which
+tolerate what a crash or an older gpujobs left (a torn line is skipped, an unknown key ignored), so
+no reader indexes a raw dict by a string of its own. Submissions are `files.Submission`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from gpujobs.atomic import read_jsonl, write_json_atomic
+from gpujobs.rundir import ATTEMPTS_FILE, RESULT_FILE
+
+#: Why an attempt ended.
+REASONS = ("completed", "preempted", "timeout", "failed")
+
+
+def _known(cls: type[Any], values: dict[str, Any]) -> dict[str, Any]:
+    names = {f.name for f in dataclasses.fields(cls)}
+    return {key: value for key, value in values.items() if key in names}
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One attempt of a job: how it ended, how far it got, and whether another one follows."""
+
+    attempt: int
+    """1 for the first attempt of the run dir."""
+    reason: str
+    """completed | preempted | timeout | failed."""
+    requeue: bool
+    """Whether another attempt follows (within the budgets, and the requeue worked)."""
+    why: str
+    """The budget decision, e.g. "preempted 2 of at most 20"."""
+    end: float
+    """When it ended (epoch seconds)."""
+    start: Optional[float] = None
+    job_id: Optional[str] = None
+    """The Slurm job id (None for local runs)."""
+    start_step: Optional[int] = None
+    steps_done: Optional[int] = None
+    resumed_from: Optional[str] = None
+    """The checkpoint it resumed from."""
+    saved: Optional[str] = None
+    """The checkpoint it saved last."""
+    resume_skipped: list[dict[str, Any]] = field(default_factory=list)
+    """Newer checkpoints that did not verify on every rank: {"step", "why"} each."""
+    error: Optional[str] = None
+    """A failed attempt's error line."""
+    recorded_by: str = "rank 0"
+    """rank 0, or what stood beside the ranks when rank 0 could not: the launcher or the supervisor."""
+    script_exit: Optional[int] = None
+    """A bring-your-own script's exit code."""
+
+    @classmethod
+    def from_json(cls, line: dict[str, Any]) -> Optional[Attempt]:
+        """The attempt a line of attempts.jsonl holds, or None for a line that is not one."""
+        try:
+            attempt = cls(**_known(cls, line))
+        except TypeError:  # a required field missing
+            return None
+        return attempt if attempt.reason in REASONS else None
+
+    def to_json(self) -> dict[str, Any]:
+        """The line's JSON object (fields left unset are left out)."""
+        return {key: value for key, value in dataclasses.asdict(self).items() if value not in (None, [])}
+
+
+def read_attempts(run_dir: Path) -> list[Attempt]:
+    """Every attempt of the run dir, oldest first."""
+    lines = (Attempt.from_json(line) for line in read_jsonl(run_dir / ATTEMPTS_FILE))
+    return [line for line in lines if line is not None]
+
+
+@dataclass(frozen=True)
+class Result:
+    """What a run that ended wrote: result.json."""
+
+    status: str
+    steps: Optional[int] = None
+    world_size: Optional[int] = None
+    samples_per_s: Optional[float] = None
+    wall_s: Optional[float] = None
+    param_digest: Optional[str] = None
+    start_step: Optional[int] = None
+    saved: Optional[str] = None
+    resumed_from: Optional[str] = None
+    resume_skipped: list[dict[str, Any]] = field(default_factory=list)
+    ranks: list[dict[str, Any]] = field(default_factory=list)
+    """Every rank's place (node, local rank, visible GPUs)."""
+    kind: str = "trainer"
+    """trainer, or script (a bring-your-own script)."""
+    script: Optional[str] = None
+    metrics: dict[str, float] = field(default_factory=dict)
+    """The task's final evaluation (the rec job: auc, logloss, oracle_auc), kept flat in the file."""
+
+    @property
+    def completed(self) -> bool:
+        """Whether the run completed."""
+        return self.status == "completed"
+
+    @classmethod
+    def from_json(cls, values: dict[str, Any]) -> Optional[Result]:
+        """The result a result.json object holds, or None for one that is not."""
+        known = {key: value for key, value in _known(cls, values).items() if key != "metrics"}
+        metrics = {
+            key: float(value) for key, value in values.items()
+            if key not in known and isinstance(value, (int, float)) and not isinstance(value, bool)
+        }
+        try:
+            return cls(**known, metrics=metrics)
+        except TypeError:
+            return None
+
+    def to_json(self) -> dict[str, Any]:
+        """result.json's object: the fields, with the task's metrics beside them."""
+        out = {key: value for key, value in dataclasses.asdict(self).items() if key != "metrics"}
+        return {**out, **self.metrics}
+
+    def write(self, run_dir: Path) -> None:
+        """Write result.json atomically."""
+        write_json_atomic(run_dir / RESULT_FILE, self.to_json())
+
+
+def write_result(run_dir: Path, values: dict[str, Any]) -> Result:
+    """Write the result a run returns (the trainer's or a script's dict) as result.json."""
+    result = Result.from_json(values)
+    if result is None:
+        raise ValueError(f"not a result: {sorted(values)}")
+    result.write(run_dir)
+    return result
+
+
+def read_result(run_dir: Path) -> Optional[Result]:
+    """The run dir's result, or None (no result yet, or one torn by a crash)."""
+    try:
+        values = json.loads((run_dir / RESULT_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return Result.from_json(values) if isinstance(values, dict) else None
