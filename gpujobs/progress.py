@@ -8,18 +8,15 @@ from typing import Any, Optional, TextIO
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from gpujobs.rundir.records import EvalRecord, MetricsRecord, metrics_record
 
-def describe(record: dict[str, Any]) -> str:
+
+def describe(record: MetricsRecord) -> str:
     """One short line for a metrics record."""
-    if record.get("kind") == "eval":
-        metrics = " ".join(f"{k} {v:.4f}" for k, v in record.items() if k not in ("kind", "step", "time"))
-        return f"step {record['step']}: eval {metrics}"
-    parts = [f"step {record['step']}"]
-    if "loss" in record:
-        parts.append(f"loss {record['loss']:.4f}")
-    if "samples_per_s" in record:
-        parts.append(f"{record['samples_per_s']:.0f} samples/s")
-    return " ".join(parts)
+    if isinstance(record, EvalRecord):
+        metrics = " ".join(f"{k} {v:.4f}" for k, v in record.metrics.items())
+        return f"step {record.step}: eval {metrics}"
+    return f"step {record.step} loss {record.loss:.4f} {record.samples_per_s:.0f} samples/s"
 
 
 class ProgressView:
@@ -46,15 +43,16 @@ class ProgressView:
             self._task = self._bar.add_task(label, total=total_steps, info="")
             self._bar.start()
 
-    def update(self, record: dict[str, Any]) -> None:
-        """Take one metrics record (train or eval)."""
-        if not self.enabled:
+    def update(self, line: dict[str, Any]) -> None:
+        """Take one metrics line (train or eval); a line that is not a metrics record is passed over."""
+        record = metrics_record(line)
+        if not self.enabled or record is None:
             return
         if self._bar is not None:
-            if record.get("kind") == "eval":
+            if isinstance(record, EvalRecord):
                 self._bar.console.print(describe(record))
             else:
-                self._bar.update(self._task, completed=record["step"], info=describe(record))
+                self._bar.update(self._task, completed=record.step, info=describe(record))
             return
         print(f"[{self.label}] {describe(record)}", file=self.stream, flush=True)
 

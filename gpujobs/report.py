@@ -15,29 +15,32 @@ from typing import Any, Optional
 
 from gpujobs.atomic import read_jsonl
 from gpujobs.rundir import GPU_FILE, METRICS_FILE
-from gpujobs.rundir.records import Result, read_result
+from gpujobs.rundir.records import EvalRecord, MetricsRecord, Result, TrainRecord, read_metrics, read_result
 
 REPORT_DIR = "report"
 
 
-def summarize(metrics: list[dict[str, Any]], gpus: list[dict[str, Any]], result: Optional[Result]) -> list[str]:
+def _split(metrics: list[MetricsRecord]) -> tuple[list[TrainRecord], list[EvalRecord]]:
+    return [r for r in metrics if isinstance(r, TrainRecord)], [r for r in metrics if isinstance(r, EvalRecord)]
+
+
+def summarize(metrics: list[MetricsRecord], gpus: list[dict[str, Any]], result: Optional[Result]) -> list[str]:
     """The text summary: final metrics, throughput, imbalance, GPU use."""
-    train = [r for r in metrics if r.get("kind") == "train"]
-    evals = [r for r in metrics if r.get("kind") == "eval"]
+    train, evals = _split(metrics)
     if result is None:
         lines = ["status running or failed (no result.json)"]
     else:
         lines = [f"status {result.status}, {result.steps} steps, {result.world_size} ranks, wall {result.wall_s} s"]
     if evals:
-        last = {k: v for k, v in evals[-1].items() if k not in ("kind", "time")}
-        lines.append("final eval: " + ", ".join(f"{k}={v}" for k, v in last.items()))
+        last = {"step": evals[-1].step, **evals[-1].metrics}
+        lines.append("final eval: " + ", ".join(f"{k}={v:g}" for k, v in last.items()))
     if train:
-        rates = [r["samples_per_s"] for r in train]
+        rates = [r.samples_per_s for r in train]
         lines.append(f"throughput: median {statistics.median(rates):.0f} samples/s (last {rates[-1]:.0f}), "
-                     f"final loss {train[-1]['loss']:.4f}")
-        ratios = [r["imbalance"] for r in train if "imbalance" in r]
+                     f"final loss {train[-1].loss:.4f}")
+        ratios = [r.imbalance for r in train if r.imbalance is not None]
         if ratios:
-            slowest = Counter(r["slowest_rank"] for r in train if "slowest_rank" in r).most_common(1)[0][0]
+            slowest = Counter(r.slowest_rank for r in train if r.slowest_rank is not None).most_common(1)[0][0]
             lines.append(f"imbalance (slowest/median local step time): median {statistics.median(ratios):.2f}, "
                          f"max {max(ratios):.2f}; most often slowest: rank {slowest}")
     if gpus:
@@ -64,7 +67,7 @@ def _gpu_name(sample: dict[str, Any]) -> str:
     return f"{sample.get('node')}/GPU {sample.get('gpu')}" + (f" (rank {rank})" if rank is not None else "")
 
 
-def plot(metrics: list[dict[str, Any]], gpus: list[dict[str, Any]], out: Path) -> list[Path]:
+def plot(metrics: list[MetricsRecord], gpus: list[dict[str, Any]], out: Path) -> list[Path]:
     """Write the PNGs into `out`; returns their paths."""
     import matplotlib
 
@@ -72,9 +75,8 @@ def plot(metrics: list[dict[str, Any]], gpus: list[dict[str, Any]], out: Path) -
     import matplotlib.pyplot as plt
 
     out.mkdir(parents=True, exist_ok=True)
-    train = [r for r in metrics if r.get("kind") == "train"]
-    evals = [r for r in metrics if r.get("kind") == "eval"]
-    steps = [r["step"] for r in train]
+    train, evals = _split(metrics)
+    steps = [r.step for r in train]
     written = []
 
     def save(fig: Any, name: str) -> None:
@@ -84,28 +86,29 @@ def plot(metrics: list[dict[str, Any]], gpus: list[dict[str, Any]], out: Path) -
         written.append(out / name)
 
     fig, (ax_loss, ax_eval) = plt.subplots(1, 2, figsize=(10, 3.8))
-    ax_loss.plot(steps, [r["loss"] for r in train], marker=".")
+    ax_loss.plot(steps, [r.loss for r in train], marker=".")
     ax_loss.set(title="training loss", xlabel="step", ylabel="loss")
-    eval_keys = sorted({k for r in evals for k in r if k not in ("kind", "step", "time")})
+    eval_keys = sorted({k for r in evals for k in r.metrics})
     for key in eval_keys:
-        ax_eval.plot([r["step"] for r in evals if key in r], [r[key] for r in evals if key in r], marker="o", label=key)
+        shown = [r for r in evals if key in r.metrics]
+        ax_eval.plot([r.step for r in shown], [r.metrics[key] for r in shown], marker="o", label=key)
     ax_eval.set(title="evaluation", xlabel="step")
     if eval_keys:
         ax_eval.legend()
     save(fig, "loss.png")
 
     fig, ax = plt.subplots(figsize=(6, 3.8))
-    ax.plot(steps, [r["samples_per_s"] for r in train], marker=".")
+    ax.plot(steps, [r.samples_per_s for r in train], marker=".")
     ax.set(title="throughput (all ranks)", xlabel="step", ylabel="samples/s")
     ax.set_ylim(bottom=0)
     save(fig, "throughput.png")
 
     fig, (ax_step, ax_local) = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
-    world = max((len(r.get("step_time_s", [])) for r in train), default=0)
+    world = min((len(r.step_time_s) for r in train), default=0)
     for rank in range(world):
-        ax_step.plot(steps, [r["step_time_s"][rank] for r in train], marker=".", label=f"rank {rank}")
-        if all("local_time_s" in r for r in train):
-            ax_local.plot(steps, [r["local_time_s"][rank] for r in train], marker=".", label=f"rank {rank}")
+        ax_step.plot(steps, [r.step_time_s[rank] for r in train], marker=".", label=f"rank {rank}")
+        if all(len(r.local_time_s) > rank for r in train):
+            ax_local.plot(steps, [r.local_time_s[rank] for r in train], marker=".", label=f"rank {rank}")
     ax_step.set(title="step time per rank", xlabel="step", ylabel="seconds")
     ax_local.set(title="local time (data + forward) per rank", xlabel="step")
     ax_step.legend()
@@ -131,7 +134,7 @@ def plot(metrics: list[dict[str, Any]], gpus: list[dict[str, Any]], out: Path) -
 
 def report(run_dir: Path) -> list[str]:
     """Plot the run into RUN_DIR/report/ and return the summary lines."""
-    metrics = read_jsonl(run_dir / METRICS_FILE)
+    metrics = read_metrics(run_dir)
     if not metrics:
         raise FileNotFoundError(f"{run_dir / METRICS_FILE}: missing or empty (is this a gpujobs run dir?)")
     gpus = read_jsonl(run_dir / GPU_FILE)

@@ -15,12 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from gpujobs.atomic import read_jsonl
 from gpujobs.errors import GpujobsError
-from gpujobs.rundir import CONFIG_FILE, METRICS_FILE
+from gpujobs.rundir import CONFIG_FILE
 from gpujobs.rundir.attempts import AttemptLog
 from gpujobs.rundir.files import read_config, read_submissions, record_cancel
-from gpujobs.rundir.records import read_result
+from gpujobs.rundir.records import EvalRecord, TrainRecord, read_metrics, read_result
 
 #: States after which a job will not run again by itself.
 FINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
@@ -171,13 +170,14 @@ def refresh(points: list[PointState], timeout_s: float = 10.0) -> Optional[str]:
 def progress(run_dir: Path) -> tuple[str, str]:
     """(last step, last metric): the result's AUC when there is one, else the last logged loss."""
     result = read_result(run_dir)
-    records = [r for r in read_jsonl(run_dir / METRICS_FILE) if "step" in r]
-    last = records[-1] if records else {}
-    step = result.steps if result is not None and result.steps is not None else last.get("step", "")
+    records = read_metrics(run_dir)
+    last = records[-1] if records else None
+    step = result.steps if result is not None and result.steps is not None else last.step if last else ""
     if result is not None and "auc" in result.metrics:
         return str(step), f"auc={result.metrics['auc']:.4f}"
-    metric = next((f"{key}={last[key]:.4f}" for key in ("auc", "loss") if isinstance(last.get(key), (int, float))), "")
-    return str(step), metric
+    if isinstance(last, EvalRecord) and "auc" in last.metrics:
+        return str(step), f"auc={last.metrics['auc']:.4f}"
+    return str(step), f"loss={last.loss:.4f}" if isinstance(last, TrainRecord) else ""
 
 
 def attempts_text(run_dir: Path) -> str:

@@ -1,8 +1,9 @@
-"""The records that cross modules, typed once: an attempt (attempts.jsonl) and a result (result.json).
+"""The records that cross modules, typed once: an attempt (attempts.jsonl), a result (result.json)
+and a metrics line (metrics.jsonl: a train or an eval record).
 
-Writers build them from their fields; readers get them from `read_attempts` / `read_result`, which
-tolerate what a crash or an older gpujobs left (a torn line is skipped, an unknown key ignored), so
-no reader indexes a raw dict by a string of its own. Submissions are `files.Submission`.
+Readers get them from `read_attempts`, `read_result`, `read_metrics` (or `metrics_record` for one
+line), which tolerate what a crash or an older gpujobs left (a torn line is skipped, an unknown key
+ignored), so no reader indexes a raw dict by a string of its own. Submissions are `files.Submission`.
 """
 
 from __future__ import annotations
@@ -11,10 +12,10 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from gpujobs.atomic import read_jsonl, write_json_atomic
-from gpujobs.rundir import ATTEMPTS_FILE, RESULT_FILE
+from gpujobs.rundir import ATTEMPTS_FILE, METRICS_FILE, RESULT_FILE
 
 #: Why an attempt ended.
 REASONS = ("completed", "preempted", "timeout", "failed")
@@ -143,3 +144,56 @@ def read_result(run_dir: Path) -> Optional[Result]:
     except (OSError, ValueError):
         return None
     return Result.from_json(values) if isinstance(values, dict) else None
+
+
+@dataclass(frozen=True)
+class TrainRecord:
+    """A train line of metrics.jsonl: the window of steps since the last one."""
+
+    step: int
+    loss: float
+    samples_per_s: float
+    time: float = 0.0
+    lr: Optional[float] = None
+    step_time_s: list[float] = field(default_factory=list)
+    """Every rank's mean step time, in rank order."""
+    data_time_s: list[float] = field(default_factory=list)
+    local_time_s: list[float] = field(default_factory=list)
+    """Every rank's data wait + forward: the part before the gradient all-reduce makes ranks wait."""
+    imbalance: Optional[float] = None
+    """Slowest / median local time."""
+    slowest_rank: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class EvalRecord:
+    """An eval line of metrics.jsonl: the task's metrics at a step (the rec job: auc, logloss, oracle_auc)."""
+
+    step: int
+    metrics: dict[str, float]
+    time: float = 0.0
+
+
+MetricsRecord = Union[TrainRecord, EvalRecord]
+
+
+def metrics_record(line: dict[str, Any]) -> Optional[MetricsRecord]:
+    """The record a metrics.jsonl line (or the trainer's own dict of it) holds, or None."""
+    try:
+        if line.get("kind") == "eval":
+            metrics = {
+                k: float(v) for k, v in line.items()
+                if k not in ("kind", "step", "time") and isinstance(v, (int, float)) and not isinstance(v, bool)
+            }
+            return EvalRecord(step=int(line["step"]), metrics=metrics, time=float(line.get("time", 0.0)))
+        if line.get("kind") == "train":
+            return TrainRecord(**_known(TrainRecord, line))
+    except (KeyError, TypeError, ValueError):
+        return None
+    return None
+
+
+def read_metrics(run_dir: Path) -> list[MetricsRecord]:
+    """Every metrics record of the run dir, oldest first."""
+    records = (metrics_record(line) for line in read_jsonl(run_dir / METRICS_FILE))
+    return [record for record in records if record is not None]
