@@ -40,12 +40,11 @@ import torch
 from gpujobs.atomic import fsync_path, write_json_atomic
 from gpujobs.errors import GpujobsError
 from gpujobs.run import collectives
-from gpujobs.rundir import MARKER
+from gpujobs.rundir import MARKER, STEP_PREFIX
 
 log = logging.getLogger(__name__)
 
 SHARED_FILE = "state.pt"
-_PREFIX = "step_"
 _TMP = ".tmp-"
 
 
@@ -133,16 +132,16 @@ class CheckpointManager:
             return []
         steps = []
         for entry in self.directory.iterdir():
-            if entry.name.startswith(_PREFIX) and (entry / MARKER).is_file():
+            if entry.name.startswith(STEP_PREFIX) and (entry / MARKER).is_file():
                 try:
-                    steps.append(int(entry.name[len(_PREFIX):]))
+                    steps.append(int(entry.name[len(STEP_PREFIX):]))
                 except ValueError:
                     continue
         return sorted(steps)
 
     def path_for(self, step: int) -> Path:
         """Directory of the checkpoint of `step`."""
-        return self.directory / f"{_PREFIX}{step:08d}"
+        return self.directory / f"{STEP_PREFIX}{step:08d}"
 
     def _verified(self, step: int, map_location: Any) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
         """This rank's view of `step`: (shared state, own state, marker) once both files verify."""
@@ -190,7 +189,7 @@ class CheckpointManager:
         """Collective save: every rank writes its file, rank 0 also `shared()`, and rank 0 publishes
         only when every rank's files are durable. Returns the checkpoint's path on every rank, or
         raises CheckpointNotSaved on every rank (nothing published, nothing pruned)."""
-        tmp = self.directory / f"{_TMP}{_PREFIX}{step:08d}"
+        tmp = self.directory / f"{_TMP}{STEP_PREFIX}{step:08d}"
         report: dict[str, Any] = {"files": {}, "error": None}
         try:
             if self.rank == 0:
@@ -238,7 +237,7 @@ class CheckpointManager:
         if not self.directory.is_dir():
             return
         for entry in self.directory.iterdir():
-            unpublished = entry.name.startswith(_PREFIX) and not (entry / MARKER).exists()
+            unpublished = entry.name.startswith(STEP_PREFIX) and not (entry / MARKER).exists()
             if entry != keep and (entry.name.startswith(_TMP) or unpublished):
                 shutil.rmtree(entry, ignore_errors=True)
 

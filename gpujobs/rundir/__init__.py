@@ -26,6 +26,8 @@ from gpujobs.atomic import read_jsonl
 
 CONFIG_FILE = "config.yaml"
 CHECKPOINT_DIR = "checkpoints"
+#: A checkpoint is CHECKPOINT_DIR/step_<8 digits>/, published by its MARKER file.
+STEP_PREFIX = "step_"
 MARKER = "COMPLETE"
 ATTEMPTS_FILE = "attempts.jsonl"
 RESULT_FILE = "result.json"
@@ -39,5 +41,5 @@ RERUNS_DIR = "reruns"
 
 __all__ = [
     "ATTEMPTS_FILE", "CHECKPOINT_DIR", "CONFIG_FILE", "GPU_FILE", "LEASE_FILE", "MARKER", "METRICS_FILE",
-    "PROMETHEUS_FILE", "RERUNS_DIR", "RESULT_FILE", "SBATCH_FILE", "SUBMISSIONS_FILE", "read_jsonl",
+    "PROMETHEUS_FILE", "RERUNS_DIR", "RESULT_FILE", "SBATCH_FILE", "STEP_PREFIX", "SUBMISSIONS_FILE", "read_jsonl",
 ]

@@ -14,9 +14,7 @@ from typing import Any, Optional
 
 from gpujobs.config import JobConfig
 from gpujobs.errors import GpujobsError
-from gpujobs.rundir import CHECKPOINT_DIR, MARKER
-
-_PREFIX = "step_"
+from gpujobs.rundir import CHECKPOINT_DIR, MARKER, STEP_PREFIX
 
 #: Config sections and keys that decide what a training step computes.
 COMPUTE_KEYS = (
@@ -77,7 +75,7 @@ def newest_marker(run_dir: Path) -> Optional[tuple[Path, dict[str, Any]]]:
     directory = run_dir / CHECKPOINT_DIR
     if not directory.is_dir():
         return None
-    for entry in sorted(directory.glob(f"{_PREFIX}*"), reverse=True):
+    for entry in sorted(directory.glob(f"{STEP_PREFIX}*"), reverse=True):
         try:
             return entry, json.loads((entry / MARKER).read_text())
         except (OSError, ValueError):
