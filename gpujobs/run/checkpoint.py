@@ -22,7 +22,6 @@ at a fraction of sha256's cost (bench/bench_checkpoint.py), and the files are no
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import os
@@ -88,15 +87,19 @@ def _save_file(obj: Any, path: Path) -> dict[str, int]:
 
 
 def _load_verified(path: Path, entry: Optional[dict[str, Any]], map_location: Any) -> Any:
-    """Load `path` after checking it against its marker entry; raises ValueError saying what is wrong."""
+    """Load `path` after checking it against its marker entry; raises ValueError saying what is wrong.
+
+    The check reads the file in chunks and the load reads it again (from the page cache by then), so a
+    rank never holds more than the loaded state in memory.
+    """
     if entry is None:
         raise ValueError(f"{path.name} is not listed in the marker")
-    data = path.read_bytes()  # FileNotFoundError (an OSError) when missing
-    if len(data) != entry["size"]:
-        raise ValueError(f"{path.name} has {len(data)} bytes, the marker says {entry['size']}")
-    if zlib.crc32(data) != entry["crc32"]:
+    size, crc = _checksum(path)  # FileNotFoundError (an OSError) when missing
+    if size != entry["size"]:
+        raise ValueError(f"{path.name} has {size} bytes, the marker says {entry['size']}")
+    if crc != entry["crc32"]:
         raise ValueError(f"{path.name} fails its checksum")
-    return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
+    return torch.load(path, map_location=map_location, weights_only=True)
 
 
 @dataclass
