@@ -155,11 +155,14 @@ def acquire(run_dir: Path, me: Lease, wait_s: float = 0.0) -> None:
     """
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / LEASE_FILE
-    text = json.dumps(asdict(me), sort_keys=True) + "\n"
+    text = _text(me)
     stale = check_free(run_dir, me, wait_s)
+    current = read(run_dir)
+    if stale is None and current is not None and _same_holder(current, me):
+        return  # already ours (a requeue, another rank of this job): nothing to write
     if stale is not None:
         log.warning("run dir %s: taking over the stale lease of %s", run_dir, stale.describe())
-    if stale is not None or path.exists():  # stale, ours (a requeue, another rank), or torn by a crash
+    if stale is not None or path.exists():  # stale, or torn by a crash
         write_text_atomic(path, text)
     else:
         tmp = run_dir / f".{LEASE_FILE}.{uuid.uuid4().hex}"
@@ -180,4 +183,8 @@ def acquire(run_dir: Path, me: Lease, wait_s: float = 0.0) -> None:
 
 def replace(run_dir: Path, lease: Lease) -> None:
     """Rewrite our own lease (the submit side, once sbatch has given the job id)."""
-    write_text_atomic(run_dir / LEASE_FILE, json.dumps(asdict(lease), sort_keys=True) + "\n")
+    write_text_atomic(run_dir / LEASE_FILE, _text(lease))
+
+
+def _text(lease: Lease) -> str:
+    return json.dumps(asdict(lease), sort_keys=True) + "\n"
