@@ -1,4 +1,8 @@
-"""Saves and resumes are agreed by every rank: real 2-rank gloo process groups, real files, real damage."""
+"""Saves and resumes are agreed by every rank: real gloo process groups, real files, real damage.
+
+Most scenarios run 2 ranks; the elastic one saves at 2 and resumes at 1 (no process group, as gpujobs
+runs one rank) and at 3.
+"""
 
 from __future__ import annotations
 
@@ -26,11 +30,52 @@ def _save(manager: CheckpointManager, step: int) -> Any:
         return {"not_saved": str(err)}
 
 
-def _worker(rank: int, root: str, scenario: str) -> None:
+def damage_rank_1_and_resume(manager: CheckpointManager) -> dict[str, Any]:
+    """Collective, once steps 1 and 2 are saved: rank 0 flips a byte of rank 1's file of step 2
+    (same size: only the checksum sees it), then every rank resumes; what it loaded and skipped."""
+    dist.barrier()
+    if manager.rank == 0:
+        victim = manager.path_for(2) / "rank_1.pt"
+        data = bytearray(victim.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        victim.write_bytes(bytes(data))
+    dist.barrier()
+    loaded, skipped = manager.load_latest()
+    return {
+        "loaded": None if loaded is None else loaded.step,
+        "own_rng": None if loaded is None else loaded.own["rng"].tolist(),
+        "skipped": skipped,
+    }
+
+
+def assert_all_fell_back_to_step_1(ranks: list[dict[str, Any]]) -> None:
+    """What `damage_rank_1_and_resume` must find on every rank."""
+    assert [out["loaded"] for out in ranks] == [1, 1]
+    assert [out["own_rng"] for out in ranks] == [[1.0, 1.0], [2.0, 2.0]]  # each rank its own file of step 1
+    for out in ranks:
+        assert [s["step"] for s in out["skipped"]] == [2]
+        assert "rank 1: rank_1.pt fails its checksum" in out["skipped"][0]["why"]
+
+
+def _worker(rank: int, root: str, scenario: str, world: int = WORLD) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{root}/rendezvous", rank=rank, world_size=WORLD)
+    if world > 1:
+        rendezvous = f"file://{root}/rendezvous-{scenario}"  # a file store serves one group only
+        dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world)
     manager = CheckpointManager(Path(root) / "ck", every_steps=1, keep=3, rank=rank)
-    out: dict[str, Any] = {"first": _save(manager, 1)}
+    out: dict[str, Any] = {}
+    if scenario.startswith("resume_at_"):  # the checkpoints of an earlier life of the run, at WORLD ranks
+        loaded, skipped = manager.load_latest()
+        out["loaded"] = None if loaded is None else loaded.step
+        out["shared_w"] = None if loaded is None else loaded.shared["model"]["w"].tolist()
+        out["own"] = None if loaded is None else loaded.own
+        out["saved_world"] = None if loaded is None else loaded.meta["world_size"]
+        out["skipped"] = skipped
+        (Path(root) / f"{scenario}-rank{rank}.json").write_text(json.dumps(out))
+        if world > 1:
+            dist.destroy_process_group()
+        return
+    out["first"] = _save(manager, 1)
     if scenario == "blocked_rank_file":
         # rank 1 cannot write its file (a directory stands where it goes): a real failure in the write path
         if rank == 1:
@@ -38,17 +83,9 @@ def _worker(rank: int, root: str, scenario: str) -> None:
         out["second"] = _save(manager, 2)
     elif scenario == "damaged_rank_file":
         out["second"] = _save(manager, 2)
-        dist.barrier()
-        if rank == 0:  # damage rank 1's file of the newest step, keeping its size
-            victim = manager.path_for(2) / "rank_1.pt"
-            data = bytearray(victim.read_bytes())
-            data[len(data) // 2] ^= 0xFF
-            victim.write_bytes(bytes(data))
-        dist.barrier()
-        loaded, skipped = manager.load_latest()
-        out["loaded"] = None if loaded is None else loaded.step
-        out["own_rng"] = None if loaded is None else loaded.own["rng"].tolist()
-        out["skipped"] = skipped
+        out.update(damage_rank_1_and_resume(manager))
+    elif scenario == "two_steps":
+        out["second"] = _save(manager, 2)
     out["complete"] = manager.complete_steps()
     (Path(root) / f"rank{rank}.json").write_text(json.dumps(out))
     dist.destroy_process_group()
@@ -74,9 +111,21 @@ def test_one_rank_failing_to_save_publishes_nothing_on_any_rank(tmp_path: Path) 
 
 
 def test_a_damaged_rank_file_sends_every_rank_back_to_the_same_older_step(tmp_path: Path) -> None:
-    ranks = _run(tmp_path, "damaged_rank_file")
-    assert [out["loaded"] for out in ranks] == [1, 1]
-    assert [out["own_rng"] for out in ranks] == [[1.0, 1.0], [2.0, 2.0]]  # each rank its own file of step 1
-    for out in ranks:
-        assert [s["step"] for s in out["skipped"]] == [2]
-        assert "rank 1: rank_1.pt fails its checksum" in out["skipped"][0]["why"]
+    assert_all_fell_back_to_step_1(_run(tmp_path, "damaged_rank_file"))
+
+
+def test_a_checkpoint_of_two_ranks_resumes_at_one_and_at_three_with_the_shared_state_only(tmp_path: Path) -> None:
+    for out in _run(tmp_path, "two_steps"):
+        assert out["complete"] == [1, 2]
+    newest = tmp_path / "ck" / "step_00000002"
+    # A rank file of the old layout is not even read at another world size: rank 1 of the 3-rank
+    # resume would otherwise fail on it and send everyone back to step 1.
+    (newest / "rank_1.pt").unlink()
+    for world in (1, 3):
+        scenario = f"resume_at_{world}"
+        mp.spawn(_worker, args=(str(tmp_path), scenario, world), nprocs=world, join=True)
+        ranks = [json.loads((tmp_path / f"{scenario}-rank{r}.json").read_text()) for r in range(world)]
+        for out in ranks:
+            assert out["loaded"] == 2 and out["skipped"] == [], (world, out)
+            assert out["shared_w"] == [2.0] * 8 and out["saved_world"] == WORLD
+            assert out["own"] == {}  # per-rank state of 2 ranks does not map onto 1 or 3

@@ -1,6 +1,8 @@
 """Faults caused for real in real runs: a full disk during a save, a damaged checkpoint, a reused run dir.
 
-Each interrupted run must still end with the `param_digest` of an uninterrupted run.
+Each interrupted run must still end with the `param_digest` of an uninterrupted run. The integrity
+faults run twice: with synchronous periodic saves and with `checkpoint.async=true`, where the write,
+the agreement and the publishing happen in the background and must keep the same guarantees.
 """
 
 from __future__ import annotations
@@ -10,11 +12,12 @@ import json
 import os
 import signal
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import SLOW, read_result, submit
+from conftest import SLOW, read_metrics, read_result, submit
 from jobctl import RunningJob, attempts
 
 
@@ -46,11 +49,34 @@ def fill(directory: Path) -> Path:
     return filler
 
 
-def test_a_disk_that_fills_during_a_save_loses_nothing(tmp_path: Path, straight_digest: str) -> None:
+#: The periodic saves of each variant: synchronous, and in the background.
+SAVES = {"sync": (), "async": ("checkpoint.async=true",)}
+
+
+def wait_published(job: RunningJob, checkpoint: Path, timeout: float = 60) -> None:
+    """Block until `checkpoint` has its marker (a background save publishes some steps after its own)."""
+    deadline = time.monotonic() + timeout
+    while not (checkpoint / "COMPLETE").exists():
+        if time.monotonic() > deadline or job.proc.poll() is not None:
+            raise AssertionError(f"{checkpoint.name} never published:\n{job.output()}")
+        time.sleep(0.02)
+
+
+def periodic_saves_ran(run_dir: Path, saves: str) -> None:
+    """The variant really saved as it says: metrics.jsonl records each save's kind (the last one, at
+    step 60, is synchronous in both)."""
+    records = read_metrics(run_dir)
+    kinds = {r["async"] for r in records if r.get("kind") == "checkpoint" and r["step"] < 60}
+    assert kinds == {saves == "async"}, kinds
+
+
+@pytest.mark.parametrize("saves", sorted(SAVES))
+def test_a_disk_that_fills_during_a_save_loses_nothing(tmp_path: Path, straight_digest: str, saves: str) -> None:
     run_dir = tmp_path / "run"
     with small_disk(run_dir / "checkpoints", "4m") as checkpoints:  # a save is ~1.1 MB: three fit
-        job = RunningJob(run_dir, *SLOW)
-        job.wait_for_step(21)  # checkpoints 10 and 20 are published; ~9 slowed steps before 30
+        job = RunningJob(run_dir, *SLOW, *SAVES[saves])
+        job.wait_for_step(21)  # ~9 slowed steps before 30
+        wait_published(job, checkpoints / "step_00000020")  # checkpoints 10 and 20 are published
         filler = fill(checkpoints)
         assert job.wait() == 1, job.output()
         out = job.output()
@@ -63,28 +89,34 @@ def test_a_disk_that_fills_during_a_save_loses_nothing(tmp_path: Path, straight_
         published = sorted(p.name for p in checkpoints.iterdir() if (p / "COMPLETE").exists())
         assert published == ["step_00000010", "step_00000020"]  # intact: nothing pruned, nothing half-written
         assert not [p for p in checkpoints.iterdir() if p.name.startswith(".tmp-")]
+        periodic_saves_ran(run_dir, saves)
 
         filler.unlink()  # space freed: the same command resumes
-        again = submit(run_dir, *SLOW)
+        again = submit(run_dir, *SLOW, *SAVES[saves])
         assert again.returncode == 0, again.stdout + again.stderr
     result = read_result(run_dir)
     assert result["resumed_from"].endswith("step_00000020")
     assert result["param_digest"] == straight_digest
 
 
-def test_a_damaged_rank_file_sends_all_ranks_back_to_the_same_older_step(tmp_path: Path, straight_digest: str) -> None:
+@pytest.mark.parametrize("saves", sorted(SAVES))
+def test_a_damaged_rank_file_sends_all_ranks_back_to_the_same_older_step(
+    tmp_path: Path, straight_digest: str, saves: str
+) -> None:
     run_dir = tmp_path / "run"
-    job = RunningJob(run_dir, *SLOW)
-    job.wait_for_step(33)  # checkpoint 30 is published
+    job = RunningJob(run_dir, *SLOW, *SAVES[saves])
+    job.wait_for_step(33)
+    wait_published(job, run_dir / "checkpoints" / "step_00000030")
     job.signal_rank(1, signal.SIGKILL)  # the run fails (no restart budget) with checkpoints 20 and 30 on disk
     assert job.wait() == 1, job.output()
+    periodic_saves_ran(run_dir, saves)
     newest = run_dir / "checkpoints" / "step_00000030"
     victim = newest / "rank_1.pt"
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0xFF  # one byte, same size: only the marker's checksum tells
     victim.write_bytes(bytes(data))
 
-    again = submit(run_dir, *SLOW)
+    again = submit(run_dir, *SLOW, *SAVES[saves])
     assert again.returncode == 0, again.stdout + again.stderr
     result = read_result(run_dir)
     assert result["resumed_from"].endswith("step_00000020") and result["start_step"] == 20
