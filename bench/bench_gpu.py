@@ -25,13 +25,14 @@ from gpujobs.run.checkpoint import CheckpointManager
 from gpujobs.run.entry import load_task_builder
 from gpujobs.run.jobenv import DistInfo
 from gpujobs.run.metrics import MetricsLog
-from gpujobs.run.trainer import Trainer, seed_everything
+from gpujobs.run.rng import seed_everything
+from gpujobs.run.trainer import Trainer
 
 
 def run(kind: str, job: JobConfig) -> float:
     device = torch.device("cuda", 0)
     seed_everything(job.trainer.seed)
-    task = load_task_builder(job.task)(job.model, job.data, 0, 1, job.trainer.grad_accum)
+    task = load_task_builder(job.task)(job.model, job.data, 1, job.trainer.grad_accum)
     if kind == "gpujobs":
         info = DistInfo(0, 0, 1, 1, "127.0.0.1", 29500, "bench")
         with tempfile.TemporaryDirectory() as tmp:
@@ -42,14 +43,14 @@ def run(kind: str, job: JobConfig) -> float:
     torch.cuda.synchronize()
     start = time.perf_counter()
     for step in range(job.trainer.max_steps):
-        batch = task.train_batch(step, 0, device)
+        batch = task.train_batch(step, 0, task.global_batch_size, device)
         with torch.autocast(device_type="cuda", dtype=torch.bfloat16):
             loss = task.loss(model, batch)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
-    return task.samples_per_micro_batch * job.trainer.max_steps / (time.perf_counter() - start)
+    return task.global_batch_size * job.trainer.max_steps / (time.perf_counter() - start)
 
 
 def main() -> None:

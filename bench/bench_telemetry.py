@@ -39,7 +39,7 @@ def _rank(rank: int, on: bool, job: JobConfig, port: int, out: Any) -> None:
         ranks = gather_ranks(info)  # the entry gathers this table whether telemetry is on or not
         telemetry = Telemetry.start(job, info, ranks, False, Path(tmp)) if on else None
         try:
-            checkpoints = CheckpointManager(Path(tmp), 0, 1, rank)
+            checkpoints = CheckpointManager(Path(tmp), 0, 1, rank, world_size=info.world_size)
             trainer = Trainer(job, info, device, task, checkpoints, MetricsLog(None), telemetry=telemetry)
             rate = trainer.fit()["samples_per_s"]
         finally:

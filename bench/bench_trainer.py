@@ -36,7 +36,8 @@ from gpujobs.run.distributed import init_process_group
 from gpujobs.run.entry import load_task_builder
 from gpujobs.run.jobenv import DistInfo
 from gpujobs.run.metrics import MetricsLog
-from gpujobs.run.trainer import Trainer, seed_everything
+from gpujobs.run.rng import seed_everything
+from gpujobs.run.trainer import Trainer
 
 REPO = Path(__file__).resolve().parent.parent
 WORLD = 2
@@ -60,7 +61,7 @@ def join_as_rank(rank: int, job: JobConfig, port: int) -> tuple[DistInfo, Any]:
     info = DistInfo(rank, rank, WORLD, WORLD, "127.0.0.1", port, "bench")
     init_process_group(info, job.nccl, 120)
     seed_everything(job.trainer.seed)
-    return info, load_task_builder(job.task)(job.model, job.data, rank, WORLD, job.trainer.grad_accum)
+    return info, load_task_builder(job.task)(job.model, job.data, WORLD, job.trainer.grad_accum)
 
 
 def _rank(rank: int, kind: str, job: JobConfig, port: int, out: Any) -> None:
@@ -68,16 +69,18 @@ def _rank(rank: int, kind: str, job: JobConfig, port: int, out: Any) -> None:
     device = torch.device("cpu")
     if kind == "gpujobs":
         with tempfile.TemporaryDirectory() as tmp:
-            trainer = Trainer(job, info, device, task, CheckpointManager(Path(tmp), 0, 1, rank), MetricsLog(None))
+            checkpoints = CheckpointManager(Path(tmp), 0, 1, rank, world_size=WORLD)
+            trainer = Trainer(job, info, device, task, checkpoints, MetricsLog(None))
             # the final eval and checkpoint are outside the timed window (samples_per_s excludes them)
             rate = trainer.fit()["samples_per_s"]
     else:
         model = DistributedDataParallel(task.model)
         optimizer = torch.optim.Adam(model.parameters(), lr=job.optim.lr)
-        samples = task.samples_per_micro_batch * WORLD
+        samples = task.global_batch_size
+        share = samples // WORLD  # the minimal loop's sharding: equal slices of the global batch
         start = time.perf_counter()
         for step in range(job.trainer.max_steps):
-            batch = task.train_batch(step, 0, device)
+            batch = task.train_batch(step, rank * share, (rank + 1) * share, device)
             loss = task.loss(model, batch)
             loss.backward()
             optimizer.step()
@@ -101,13 +104,14 @@ def run(kind: str, job: JobConfig, port: int) -> float:
 
 def data_rate(job: JobConfig, steps: int) -> float:
     seed_everything(job.trainer.seed)
-    task = load_task_builder(job.task)(job.model, job.data, 0, WORLD, job.trainer.grad_accum)
+    task = load_task_builder(job.task)(job.model, job.data, WORLD, job.trainer.grad_accum)
     device = torch.device("cpu")
-    task.train_batch(0, 0, device)
+    share = task.global_batch_size // WORLD
+    task.train_batch(0, 0, share, device)
     start = time.perf_counter()
     for step in range(steps):
-        task.train_batch(step, 0, device)
-    return task.samples_per_micro_batch * steps / (time.perf_counter() - start)
+        task.train_batch(step, 0, share, device)
+    return share * steps / (time.perf_counter() - start)
 
 
 def main() -> None:

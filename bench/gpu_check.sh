@@ -39,6 +39,8 @@ run, ranks, extra = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
 cmd = [sys.executable, "-m", "gpujobs.submit", "+experiment=rec", "cluster=local", f"resources.gpus_per_node={ranks}",
        "trainer.max_steps=300", "trainer.progress=false", "nccl=debug", "telemetry.interval_s=0.5",
        "telemetry.prometheus_port=0", "telemetry.prometheus_addr=127.0.0.1", "telemetry.prometheus_linger_s=3",
+       # CUDA paths of balancing and async saves: compute time from CUDA events, a pinned host snapshot
+       "trainer.balance=dynamic", "trainer.balance_every=20", "checkpoint.async=true", "checkpoint.every_steps=50",
        f"hydra.run.dir={run}", *extra]
 proc = subprocess.Popen(cmd, start_new_session=True)
 deadline, scrape = time.monotonic() + 300, ""
@@ -74,6 +76,12 @@ train = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitl
 train = [r for r in train if r["kind"] == "train"]
 assert train and all(len(r["step_time_s"]) == ranks and min(r["step_time_s"]) > 0 for r in train), \
     "no train record holds every rank's gathered step time"
+records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+assert all(min(r["compute_s_per_sample"]) > 0 for r in train), "no compute time measured (CUDA events)"
+saves = [r for r in records if r["kind"] == "checkpoint"]
+assert [r["async"] for r in saves].count(True) >= 5 and saves[-1]["async"] is False, saves
+assert result["samples"] == 300 * 256 * ranks and result["saved"].endswith("step_00000300"), result
+assert [r for r in records if r["kind"] == "plan"], "no split plan recorded"
 samples = [json.loads(line) for line in (run / "gpu.jsonl").read_text().splitlines()]
 assert samples, "gpu.jsonl is empty"
 assert {s["rank"] for s in samples} == set(range(ranks)), {s["rank"] for s in samples}

@@ -22,6 +22,7 @@ from gpujobs.errors import ConfigError
 from gpujobs.schema import (
     AMP_MODES,
     CLUSTERS,
+    KEY_ALIASES,
     MAX_WAIT_S,
     OPTIMIZERS,
     PLUGINS,
@@ -43,6 +44,7 @@ from gpujobs.schema import (
 __all__ = [
     "AMP_MODES",
     "CLUSTERS",
+    "KEY_ALIASES",
     "MAX_WAIT_S",
     "OPTIMIZERS",
     "SCHEDULES",
@@ -165,6 +167,24 @@ def _lookup(values: dict[str, Any], dotted: str) -> Any:
     return node
 
 
+def _aliased(key: str, schema: type[Any], values: Any) -> Any:
+    """`_section`, for a section whose keys include a Python keyword (`checkpoint.async`): the key is
+    renamed to the schema's field going in, and back in any error coming out."""
+    aliases = KEY_ALIASES.get(key)
+    if not aliases or not isinstance(values, dict):
+        return _section(key, schema, values)
+    renamed = {aliases.get(name, name): value for name, value in values.items()}
+    try:
+        return _section(key, schema, renamed)
+    except ConfigError as err:
+        for alias, name in aliases.items():
+            if err.key == f"{key}.{name}":
+                raise ConfigError(f"{key}.{alias}", err.value, err.allowed) from None
+            if name in err.allowed:
+                err = ConfigError(err.key, err.value, err.allowed.replace(name, alias))
+        raise err from None
+
+
 def _plugin(key: str, values: Any) -> Any:
     """Build a plug-in's schema object from its `_target_` (a torch-free dataclass)."""
     if not isinstance(values, dict) or "_target_" not in values:
@@ -189,7 +209,7 @@ def load_config(cfg: DictConfig | dict[str, Any]) -> JobConfig:
         if key not in known:
             raise ConfigError(str(key), raw[key], f"top-level keys: {', '.join(sorted(known))}")
     top = {key: raw[key] for key in ("name", "task") if key in raw}
-    sections = {key: _section(key, schema, raw.get(key)) for key, schema in SECTIONS.items()}
+    sections = {key: _aliased(key, schema, raw.get(key)) for key, schema in SECTIONS.items()}
     plugins = {key: _plugin(key, raw.get(key)) for key in PLUGINS}
     script = _section("script", ScriptConfig, raw["script"]) if raw.get("script") is not None else None
     return JobConfig(**top, **sections, **plugins, script=script)

@@ -8,7 +8,7 @@ from typing import Any, Optional, TextIO
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from gpujobs.rundir.records import EvalRecord, MetricsRecord, metrics_record
+from gpujobs.rundir.records import CheckpointRecord, EvalRecord, MetricsRecord, PlanRecord, TrainRecord, metrics_record
 
 
 def describe(record: MetricsRecord) -> str:
@@ -16,6 +16,11 @@ def describe(record: MetricsRecord) -> str:
     if isinstance(record, EvalRecord):
         metrics = " ".join(f"{k} {v:.4f}" for k, v in record.metrics.items())
         return f"step {record.step}: eval {metrics}"
+    if isinstance(record, PlanRecord):
+        shares = "/".join(f"{share:.2f}" for share in record.shares)
+        return f"step {record.step}: plan {record.mode} ({record.reason}) shares {shares}"
+    if isinstance(record, CheckpointRecord):
+        return f"step {record.step}: checkpoint blocked training {record.blocking_s:.3f} s"
     return f"step {record.step} loss {record.loss:.4f} {record.samples_per_s:.0f} samples/s"
 
 
@@ -44,9 +49,9 @@ class ProgressView:
             self._bar.start()
 
     def update(self, line: dict[str, Any]) -> None:
-        """Take one metrics line (train or eval); a line that is not a metrics record is passed over."""
+        """Take one metrics line (train or eval); any other line (a plan, a checkpoint, not a record) is passed over."""
         record = metrics_record(line)
-        if not self.enabled or record is None:
+        if not self.enabled or not isinstance(record, (TrainRecord, EvalRecord)):
             return
         if self._bar is not None:
             if isinstance(record, EvalRecord):

@@ -1,12 +1,15 @@
 """`python -m gpujobs.report RUN_DIR`: PNG plots of a run and a short text summary (torch-free).
 
 Reads metrics.jsonl, gpu.jsonl (when the run had GPU telemetry) and result.json; writes
-RUN_DIR/report/{loss,throughput,step_time,gpu}.png and prints the summary.
+RUN_DIR/report/{loss,throughput,step_time}.png, gpu.png (GPU telemetry), shares.png (each rank's share of
+the global batch, when the run recorded split plans), checkpoints.png (when it recorded saves) and prints
+the summary.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 from collections import Counter, defaultdict
@@ -15,7 +18,16 @@ from typing import Any, Optional
 
 from gpujobs.atomic import read_jsonl
 from gpujobs.rundir import GPU_FILE, METRICS_FILE
-from gpujobs.rundir.records import EvalRecord, MetricsRecord, Result, TrainRecord, read_metrics, read_result
+from gpujobs.rundir.records import (
+    CheckpointRecord,
+    EvalRecord,
+    MetricsRecord,
+    PlanRecord,
+    Result,
+    TrainRecord,
+    read_metrics,
+    read_result,
+)
 
 REPORT_DIR = "report"
 
@@ -24,13 +36,72 @@ def _split(metrics: list[MetricsRecord]) -> tuple[list[TrainRecord], list[EvalRe
     return [r for r in metrics if isinstance(r, TrainRecord)], [r for r in metrics if isinstance(r, EvalRecord)]
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
+def _plans(metrics: list[MetricsRecord]) -> list[PlanRecord]:
+    return [r for r in metrics if isinstance(r, PlanRecord)]
+
+
+def _saves(metrics: list[MetricsRecord]) -> list[CheckpointRecord]:
+    return [r for r in metrics if isinstance(r, CheckpointRecord)]
+
+
+def plan_history(plans: list[PlanRecord]) -> list[PlanRecord]:
+    """The plans the run's final lineage trained with, by step: an attempt that resumed from an older
+    checkpoint redid some steps, so its plans replace those the earlier attempt recorded from that step on."""
+    kept: list[PlanRecord] = []
+    for plan in plans:
+        while kept and kept[-1].step >= plan.step:
+            kept.pop()
+        kept.append(plan)
+    return kept
+
+
+def balance_mode(metrics: list[MetricsRecord]) -> Optional[str]:
+    """The run's balance mode: its last plan's, else its last train record's; None for a run that predates
+    balancing (it recorded neither)."""
+    plans = _plans(metrics)
+    if plans:
+        return plans[-1].mode
+    modes = [r.balance for r in metrics if isinstance(r, TrainRecord) and r.balance is not None]
+    return modes[-1] if modes else None
+
+
+def _balance_lines(metrics: list[MetricsRecord]) -> list[str]:
+    mode, plans = balance_mode(metrics), _plans(metrics)
+    if mode is None:
+        return []
+    if not plans:
+        return [f"balance: {mode} (no plan records)"]
+    last = plans[-1]
+    shares = ", ".join(f"rank {rank} {share:.3f}" for rank, share in enumerate(last.shares))
+    counts = f" ({'/'.join(str(c) for c in last.counts)} rows per micro-batch)" if last.counts else ""
+    updates = sum(1 for plan in plans if plan.reason == "update")
+    return [f"balance: {mode}, {_count(len(plans), 'plan')} ({_count(updates, 'update')}); "
+            f"final shares from step {last.step}: {shares}{counts}"]
+
+
+def _checkpoint_lines(metrics: list[MetricsRecord]) -> list[str]:
+    saves = _saves(metrics)
+    if not saves:
+        return []
+    blocking = [save.blocking_s for save in saves]
+    background = sum(1 for save in saves if save.async_)
+    return [f"checkpoints: {_count(len(saves), 'save')} ({background} async), blocking training median "
+            f"{statistics.median(blocking):.3f} s, max {max(blocking):.3f} s, total {sum(blocking):.3f} s"]
+
+
 def summarize(metrics: list[MetricsRecord], gpus: list[dict[str, Any]], result: Optional[Result]) -> list[str]:
-    """The text summary: final metrics, throughput, imbalance, GPU use."""
+    """The text summary: final metrics, throughput, imbalance, balance mode and final shares, checkpoint
+    blocking, GPU use."""
     train, evals = _split(metrics)
     if result is None:
         lines = ["status running or failed (no result.json)"]
     else:
-        lines = [f"status {result.status}, {result.steps} steps, {result.world_size} ranks, wall {result.wall_s} s"]
+        lines = [f"status {result.status}, {result.steps} steps, {result.world_size} ranks, wall {result.wall_s} s"
+                 + (f", {result.samples} global samples" if result.samples is not None else "")]
     if evals:
         last = {"step": evals[-1].step, **evals[-1].metrics}
         lines.append("final eval: " + ", ".join(f"{k}={v:g}" for k, v in last.items()))
@@ -43,6 +114,7 @@ def summarize(metrics: list[MetricsRecord], gpus: list[dict[str, Any]], result: 
             slowest = Counter(r.slowest_rank for r in train if r.slowest_rank is not None).most_common(1)[0][0]
             lines.append(f"imbalance (slowest/median local step time): median {statistics.median(ratios):.2f}, "
                          f"max {max(ratios):.2f}; most often slowest: rank {slowest}")
+    lines += _balance_lines(metrics) + _checkpoint_lines(metrics)
     if gpus:
         by_gpu: dict[str, list[dict[str, Any]]] = defaultdict(list)
         for sample in gpus:
@@ -114,6 +186,35 @@ def plot(metrics: list[MetricsRecord], gpus: list[dict[str, Any]], out: Path) ->
     ax_step.legend()
     save(fig, "step_time.png")
 
+    plans = _plans(metrics)
+    if plans:
+        timed = [r for r in train if r.compute_s_per_sample]
+        fig, axes = plt.subplots(1, 2 if timed else 1, figsize=(10 if timed else 6, 3.8), squeeze=False)
+        end = max(r.step for r in metrics)
+        _plot_shares(axes[0][0], plans, end, balance_mode(metrics))
+        if timed:
+            ax = axes[0][1]
+            for rank in range(max(len(r.compute_s_per_sample) for r in timed)):
+                ranked = [r for r in timed if len(r.compute_s_per_sample) > rank]
+                ax.plot([r.step for r in ranked], [r.compute_s_per_sample[rank] * 1e6 for r in ranked],
+                        marker=".", label=f"rank {rank}")
+            ax.set(title="compute time per sample", xlabel="step", ylabel="µs")
+            ax.set_ylim(bottom=0)
+            ax.legend()
+        save(fig, "shares.png")
+
+    saves = _saves(metrics)
+    if saves:
+        fig, ax = plt.subplots(figsize=(6, 3.8))
+        for background, label, marker in ((False, "synchronous", "o"), (True, "async", "^")):
+            kind = [r for r in saves if r.async_ is background]
+            if kind:
+                ax.plot([r.step for r in kind], [r.blocking_s for r in kind], marker, label=label)
+        ax.set(title="checkpoint: time training was blocked", xlabel="step", ylabel="seconds")
+        ax.set_ylim(bottom=0)
+        ax.legend()
+        save(fig, "checkpoints.png")
+
     if gpus:
         start = min(s["time"] for s in gpus)
         fig, (ax_util, ax_mem) = plt.subplots(1, 2, figsize=(10, 3.8))
@@ -130,6 +231,19 @@ def plot(metrics: list[MetricsRecord], gpus: list[dict[str, Any]], out: Path) ->
         ax_util.legend(fontsize="small")
         save(fig, "gpu.png")
     return written
+
+
+def _plot_shares(ax: Any, plans: list[PlanRecord], end: int, mode: Optional[str]) -> None:
+    """Each rank's share as a step plot: a plan holds from its step to the next plan's (the last to `end`);
+    a rank missing from a plan (an elastic resume at fewer ranks) leaves a gap."""
+    plans = plan_history(plans)
+    steps = [plan.step for plan in plans] + [max(end, plans[-1].step)]
+    for rank in range(max(len(plan.shares) for plan in plans)):
+        shares = [plan.shares[rank] if rank < len(plan.shares) else math.nan for plan in plans]
+        ax.step(steps, [*shares, shares[-1]], where="post", label=f"rank {rank}")
+    ax.set(title=f"share of the global batch (balance={mode})", xlabel="step", ylabel="share")
+    ax.set_ylim(0, 1)
+    ax.legend()
 
 
 def report(run_dir: Path) -> list[str]:

@@ -8,6 +8,7 @@ builds these objects from a composed config.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -143,6 +144,20 @@ class ResourcesConfig(Checked):
     """Local runs: false uses GPUs 0..gpus_per_node-1; true picks the least-loaded GPUs (NVML)."""
     min_free_gpu_mem_gb: float = field(default=0.0, metadata=bounds(ge=0))
     """Local runs with pick_gpus: a GPU needs at least this much free memory to be picked."""
+    min_nodes: Optional[int] = field(default=None, metadata=bounds(ge=1))
+    """Elastic Slurm jobs: start (and come back after a requeue) on as few as this many nodes,
+    `--nodes=MIN-MAX` with MAX = nodes; the world size is read from the allocation at start (default:
+    nodes, a fixed allocation)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.min_nodes is not None and self.min_nodes > self.nodes:
+            raise ConfigError("min_nodes", self.min_nodes, f"1..{self.nodes} (resources.nodes is the most)")
+
+    @property
+    def least_nodes(self) -> int:
+        """The fewest nodes the job runs on (min_nodes, else nodes)."""
+        return self.min_nodes if self.min_nodes is not None else self.nodes
 
     @property
     def ranks_per_node(self) -> int:
@@ -160,6 +175,7 @@ class ResourcesConfig(Checked):
 SCHEDULES = ("constant", "cosine", "linear")
 OPTIMIZERS = ("adam", "adamw", "sgd")
 AMP_MODES = ("auto", "bf16", "off")
+BALANCE_MODES = ("off", "static", "dynamic", "replay")
 
 
 @dataclass
@@ -211,6 +227,38 @@ class TrainerConfig(Checked):
     """Steps between the ranks' agreement on a pending USR2 (a tiny all-reduce); the stop itself loses no step."""
     progress: bool = True
     """Show a progress bar when the output is a terminal."""
+    balance: str = field(default="off", metadata=bounds(one_of=BALANCE_MODES))
+    """How each step's global batch is split across ranks: off (equal shares) | static (balance_shares or
+    balance_gpu_weights) | dynamic (shares follow each rank's measured compute time per sample) | replay
+    (the plan history of the finished dynamic run in balance_replay)."""
+    balance_shares: Optional[list[float]] = field(default=None, metadata=bounds(gt=0, min_len=1))
+    """static: one relative weight per rank (normalized; as many as ranks)."""
+    balance_gpu_weights: dict[str, float] = field(default_factory=dict)
+    """static, mixed nodes: relative weight per GPU model name as CUDA reports it (`cpu` for CPU ranks)."""
+    balance_every: int = field(default=20, metadata=bounds(ge=1))
+    """dynamic: steps between plan updates (each gathers every rank's compute time per sample)."""
+    balance_smoothing: float = field(default=0.5, metadata=bounds(gt=0, le=1))
+    """dynamic: weight of the newest measurement in the smoothed shares (1: no smoothing)."""
+    balance_max_change: float = field(default=0.1, metadata=bounds(gt=0, le=1))
+    """dynamic: the most a rank's share moves in one update (a share is a fraction of the global batch)."""
+    balance_min_share: float = field(default=0.02, metadata=bounds(gt=0, lt=1))
+    """dynamic and static: no rank's share falls below this (times the equal share 1/world)."""
+    balance_replay: Optional[str] = None
+    """replay: the run dir of a finished dynamic run whose recorded plan history is replayed."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.balance == "replay" and not self.balance_replay:
+            raise ConfigError("balance_replay", self.balance_replay, "the run dir of a finished dynamic run")
+        if self.balance == "static" and not self.balance_shares and not self.balance_gpu_weights:
+            raise ConfigError("balance_shares", self.balance_shares, "one weight per rank (or balance_gpu_weights)")
+        for name, weight in self.balance_gpu_weights.items():
+            if not (math.isfinite(weight) and weight > 0):
+                raise ConfigError(f"balance_gpu_weights.{name}", weight, "a finite weight > 0")
+
+
+#: Config keys that are Python keywords, by section: the key users write -> the schema's field name.
+KEY_ALIASES: dict[str, dict[str, str]] = {"checkpoint": {"async": "async_"}}
 
 
 @dataclass
@@ -223,6 +271,10 @@ class CheckpointConfig(Checked):
     """Complete checkpoints kept; older ones are deleted after a newer one is complete."""
     resume: bool = True
     """Start from the newest complete checkpoint in the run dir, if any."""
+    async_: bool = False
+    """Key `checkpoint.async`: periodic saves block training only while the state is copied to host memory;
+    writing, fsync, verification and publishing run in the background (one in flight). A save at a
+    preemption or at the end is synchronous."""
 
 
 @dataclass
@@ -246,9 +298,20 @@ class TelemetryConfig(Checked):
     prometheus_linger_s: float = field(default=0.0, metadata=bounds(ge=0, le=MAX_WAIT_S))
     """Keep the endpoint up this many seconds after training, so a last scrape sees the final values (a sleep)."""
     debug_slow_rank: Optional[int] = field(default=None, metadata=bounds(ge=0))
-    """Debug: this rank sleeps debug_slow_ms every step (to see straggler detection work); below the world size."""
-    debug_slow_ms: float = field(default=200.0, metadata=bounds(ge=0, le=MAX_WAIT_S * 1000))
-    """Debug: the sleep of debug_slow_rank per step, in milliseconds."""
+    """Debug: this rank is slowed down by debug_slow_ms and/or debug_slow_factor (to see straggler detection
+    and balancing work); below the world size."""
+    debug_slow_ms: float = field(default=0.0, metadata=bounds(ge=0, le=MAX_WAIT_S * 1000))
+    """Debug: a fixed sleep of debug_slow_rank per step, in milliseconds (like a slow input pipeline)."""
+    debug_slow_factor: float = field(default=1.0, metadata=bounds(ge=1, le=1000))
+    """Debug: debug_slow_rank spends this many times its own compute time on each micro-batch (it sleeps
+    factor - 1 times its measured data + forward + backward time), so its cost grows with its share the way
+    a slower GPU's does."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.debug_slow_rank is not None and self.debug_slow_ms == 0 and self.debug_slow_factor == 1:
+            allowed = "null, or a rank with debug_slow_ms > 0 or debug_slow_factor > 1"
+            raise ConfigError("debug_slow_rank", self.debug_slow_rank, allowed)
 
 
 @dataclass
@@ -318,6 +381,9 @@ class JobConfig(Checked):
     def to_dict(self) -> dict[str, Any]:
         """Plain dict of the resolved config (what config.yaml holds)."""
         out = dataclasses.asdict(self)
+        for section, aliases in KEY_ALIASES.items():
+            out[section] = {next((k for k, f in aliases.items() if f == name), name): v
+                            for name, v in out[section].items()}
         for key in PLUGINS:
             out[key] = dataclasses.asdict(getattr(self, key))
         if self.script is None:

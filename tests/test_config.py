@@ -220,9 +220,11 @@ def test_exact_typed_sections_build_the_same_objects_as_the_merge(overrides: tup
     sections += [("script", config.ScriptConfig)] if job.script is not None else []
     for key, schema in sections:
         fields = config._fields(schema)
-        assert all(config._exact(fields[name][0], value) is not config._NO_FIT for name, value in raw[key].items()), (
+        aliases = config.KEY_ALIASES.get(key, {})
+        values = {aliases.get(name, name): value for name, value in raw[key].items()}
+        assert all(config._exact(fields[name][0], value) is not config._NO_FIT for name, value in values.items()), (
             f"{key} would not take the direct path")
-        assert config._section(key, schema, raw[key]) == config._merged_section(key, schema, raw[key]), key
+        assert config._section(key, schema, values) == config._merged_section(key, schema, values), key
 
 
 @pytest.mark.parametrize(
@@ -254,3 +256,11 @@ def test_values_the_schema_refuses_still_name_the_key(key: str, value: object) -
     with pytest.raises(ConfigError) as info:
         load_config(raw)
     assert info.value.key == key
+
+
+def test_checkpoint_async_is_the_key_users_write_and_read() -> None:
+    job = compose_job("+experiment=rec", "checkpoint.async=true")
+    assert job.checkpoint.async_ is True
+    assert job.to_dict()["checkpoint"]["async"] is True and "async_" not in job.to_dict()["checkpoint"]
+    with pytest.raises(ConfigError, match=r"^checkpoint\.async='maybe' is invalid"):
+        compose_job("+experiment=rec", "checkpoint.async=maybe")

@@ -117,18 +117,10 @@ def _numbered(rows: int, num_eval: int = 10) -> tuple[FeatureSpec, RecBatch, Rec
     return features, split(rows), split(num_eval)
 
 
-def _data(rank: int, world_size: int, batch_size: int, micro_batches: int = 1, seed: int = 0) -> RecData:
+def _data(global_batch: int, micro_batches: int = 1, seed: int = 0) -> RecData:
     features, train, eval = _numbered(100)
     return RecData(
-        features,
-        train,
-        eval,
-        batch_size=batch_size,
-        rank=rank,
-        world_size=world_size,
-        micro_batches=micro_batches,
-        seed=seed,
-        oracle_auc=None,
+        features, train, eval, global_batch_size=global_batch, micro_batches=micro_batches, seed=seed, oracle_auc=None
     )
 
 
@@ -136,49 +128,58 @@ def _rows(batch: RecBatch) -> list[int]:
     return [int(v) for v in batch.dense[:, 0]]
 
 
-def test_ranks_read_disjoint_rows_that_cover_an_epoch() -> None:
-    world, micro_batches, batch_size = 3, 2, 7  # 100 rows: 4 global micro-batches of 21, tail of 16 dropped
-    ranks = [_data(r, world, batch_size, micro_batches) for r in range(world)]
-    assert ranks[0].samples_per_epoch == 84
+def test_steps_read_disjoint_rows_that_cover_an_epoch() -> None:
+    data = _data(42, micro_batches=2)  # 100 rows: 4 micro-batches of 21 per epoch, a tail of 16 dropped
+    assert data.samples_per_epoch == 84
     epoch_rows: list[list[int]] = [[], []]
-    for step, micro in itertools.product(range(4), range(micro_batches)):  # steps 0-1: epoch 0, 2-3: epoch 1
-        for data in ranks:
-            epoch_rows[data.epoch_of(step)] += _rows(data.train_batch(step, micro))
+    for step in range(4):  # steps 0-1: epoch 0, 2-3: epoch 1
+        epoch_rows[data.epoch_of(step)] += _rows(data.train_rows(step, 0, 42))
     for rows in epoch_rows:
         assert len(rows) == len(set(rows)) == 84
     assert epoch_rows[0] != epoch_rows[1]  # a new permutation each epoch
 
 
-def test_train_batch_is_a_pure_function_of_its_arguments() -> None:
-    data = _data(1, 2, 8, micro_batches=2)
-    expected = _rows(data.train_batch(3, 1))
-    data.train_batch(40, 0)  # another epoch's permutation now sits in the cache
-    assert _rows(data.train_batch(3, 1)) == expected
-    assert _rows(_data(1, 2, 8, micro_batches=2).train_batch(3, 1)) == expected  # as after a restart
-    assert _rows(_data(1, 2, 8, micro_batches=2, seed=1).train_batch(3, 1)) != expected
+def test_train_rows_are_a_pure_function_of_seed_and_step() -> None:
+    data = _data(16, micro_batches=2)
+    expected = _rows(data.train_rows(3, 5, 13))
+    data.train_rows(40, 0, 8)  # another epoch's permutation now sits in the cache
+    assert _rows(data.train_rows(3, 5, 13)) == expected
+    assert _rows(_data(16, micro_batches=2).train_rows(3, 5, 13)) == expected  # as after a restart
+    assert _rows(_data(16, micro_batches=2, seed=1).train_rows(3, 5, 13)) != expected
 
 
-def test_global_batch_does_not_depend_on_how_it_is_split_over_ranks() -> None:
-    whole = _rows(_data(0, 1, 16).train_batch(9, 0))
-    halves = _rows(_data(0, 2, 8).train_batch(9, 0)) + _rows(_data(1, 2, 8).train_batch(9, 0))
-    assert halves == whole
+@pytest.mark.parametrize("cuts", [[8], [13], [1, 2, 15], [3, 8, 11]])
+def test_global_batch_does_not_depend_on_how_it_is_split(cuts: list[int]) -> None:
+    data = _data(16)
+    whole = _rows(data.train_rows(9, 0, 16))
+    edges = [0, *cuts, 16]
+    pieces = [row for a, b in itertools.pairwise(edges) for row in _rows(data.train_rows(9, a, b))]
+    assert pieces == whole
 
 
-def test_batch_larger_than_a_rank_share_is_a_config_error() -> None:
-    with pytest.raises(ConfigError, match="batch_size=60"):
-        _data(0, 2, 60)
+def test_a_slice_across_micro_batches_is_their_rows_in_order() -> None:
+    data = _data(16, micro_batches=2)
+    assert _rows(data.train_rows(5, 4, 12)) == _rows(data.train_rows(5, 4, 8)) + _rows(data.train_rows(5, 8, 12))
+
+
+def test_global_batch_larger_than_the_data_or_not_a_multiple_of_accum_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="global_batch_size=101"):
+        _data(101)
+    with pytest.raises(ConfigError, match=r"global_batch_size=15.*grad_accum=2"):
+        _data(15, micro_batches=2)
 
 
 def test_eval_batches_cover_the_whole_eval_split_in_order() -> None:
-    data = _data(1, 2, 8)
+    data = _data(16)
     batches = list(data.eval_batches(batch_size=4))
     assert [b.num_rows for b in batches] == [4, 4, 2]
     assert [r for b in batches for r in _rows(b)] == list(range(10))
 
 
-def test_synthetic_config_builds_rank_data() -> None:
-    data = SMALL.build(rank=1, world_size=2, micro_batches=1)
-    batch = data.train_batch(0, 0)
+def test_synthetic_config_builds_the_global_stream() -> None:
+    data = SMALL.build(world_size=2, micro_batches=1)
+    assert data.global_batch_size == 64  # batch_size 32 per rank of the configured 2
+    batch = data.train_rows(0, 32, 64)
     assert batch.dense.shape == (32, 3) and batch.dense.dtype == torch.float32
     assert batch.sparse.shape == (32, 3) and batch.sparse.dtype == torch.int64
     assert batch.label.shape == (32,) and batch.label.dtype == torch.float32
@@ -224,18 +225,19 @@ def test_criteo_reader_names_file_and_line_of_a_bad_line(tmp_path: Path, bad_lin
         read_criteo_tsv(path, hash_buckets=10)
 
 
-def test_criteo_config_builds_rank_data(tmp_path: Path) -> None:
+def test_criteo_config_builds_the_global_stream(tmp_path: Path) -> None:
     lines = [_criteo_line(str(i % 2), [str(i)] * 13, [f"{i:08x}"] * 26) for i in range(20)]
     (tmp_path / "train.tsv").write_text("".join(lines))
     (tmp_path / "eval.tsv").write_text("".join(lines[:5]))
     cfg = CriteoTSVConfig(
         train_path=str(tmp_path / "train.tsv"), eval_path=str(tmp_path / "eval.tsv"), hash_buckets=16, batch_size=4
     )
-    data = cfg.build(rank=0, world_size=2, micro_batches=1)
+    data = cfg.build(world_size=2, micro_batches=1)
     assert data.oracle_auc is None
     assert data.features == FeatureSpec(13, (17,) * 26)
     assert data.samples_per_epoch == 16 and data.num_eval == 5
-    assert data.train_batch(0, 0).sparse.shape == (4, 26)
+    assert data.train_rows(0, 0, 4).sparse.shape == (4, 26)
+    assert dataclasses.replace(cfg, global_batch_size=6).build(world_size=2, micro_batches=2).micro_batch == 3
 
 
 # --- metrics ------------------------------------------------------------------------------------

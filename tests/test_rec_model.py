@@ -60,18 +60,18 @@ def test_embedding_lr_scale_keeps_the_function_and_shrinks_the_stored_rows() -> 
     torch.testing.assert_close(plain(*_inputs(6)), scaled(*_inputs(6)))
 
 
-def _task(world_size: int = 1, rank: int = 0) -> RecTask:
+def _task(world_size: int = 1) -> RecTask:
     torch.manual_seed(0)
-    return build_task(DLRMConfig(bottom_mlp=[16], top_mlp=[16]), SMALL_DATA, rank, world_size, micro_batches=1)
+    return build_task(DLRMConfig(bottom_mlp=[16], top_mlp=[16]), SMALL_DATA, world_size, micro_batches=1)
 
 
 def test_task_loss_is_mean_bce_and_decreases_with_training() -> None:
     task = _task()
-    assert task.samples_per_micro_batch == 64
+    assert task.global_batch_size == 64
     optimizer = torch.optim.Adam(task.model.parameters(), lr=3e-3)
     losses = []
     for step in range(60):
-        batch = task.train_batch(step, 0, CPU)
+        batch = task.train_batch(step, 0, 64, CPU)
         loss = task.loss(task.model, batch)
         if step == 0:
             expected = F.binary_cross_entropy_with_logits(task.model(batch.dense, batch.sparse), batch.label)
@@ -98,8 +98,10 @@ def test_evaluate_reports_metrics_and_restores_the_mode() -> None:
     assert not task.model.training
 
 
-def test_tasks_of_all_ranks_start_from_the_same_model() -> None:
-    first, second = _task(world_size=2, rank=0), _task(world_size=2, rank=1)
+def test_tasks_of_all_ranks_start_from_the_same_model_and_stream() -> None:
+    first, second = _task(world_size=2), _task(world_size=2)
     for a, b in zip(first.model.parameters(), second.model.parameters(), strict=True):
         assert torch.equal(a, b)
-    assert not torch.equal(first.train_batch(0, 0, CPU).dense, second.train_batch(0, 0, CPU).dense)
+    assert first.global_batch_size == 128
+    assert torch.equal(first.train_batch(0, 0, 64, CPU).dense, second.train_batch(0, 0, 64, CPU).dense)
+    assert not torch.equal(first.train_batch(0, 0, 64, CPU).dense, second.train_batch(0, 64, 128, CPU).dense)

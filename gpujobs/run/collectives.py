@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 
 def active() -> bool:
@@ -42,11 +43,11 @@ def collective_device(group: Optional[dist.ProcessGroup] = None) -> torch.device
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def _reduce(values: torch.Tensor, op: Any) -> torch.Tensor:
+def _reduce(values: torch.Tensor, op: Any, group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
     if not active():
         return values
-    placed = values.to(collective_device())
-    dist.all_reduce(placed, op=op)
+    placed = values.to(collective_device(group))
+    dist.all_reduce(placed, op=op, group=group)
     return placed.cpu()
 
 
@@ -55,9 +56,9 @@ def any_true(flag: bool) -> bool:
     return bool(_reduce(torch.tensor([int(flag)], dtype=torch.int32), dist.ReduceOp.MAX).item())
 
 
-def all_true(flag: bool) -> bool:
-    """True on every rank only when every rank says true (one tiny all-reduce)."""
-    return bool(_reduce(torch.tensor([int(flag)], dtype=torch.int32), dist.ReduceOp.MIN).item())
+def all_true(flag: bool, group: Optional[dist.ProcessGroup] = None) -> bool:
+    """True on every rank only when every rank says true (one tiny all-reduce, on `group` if given)."""
+    return bool(_reduce(torch.tensor([int(flag)], dtype=torch.int32), dist.ReduceOp.MIN, group).item())
 
 
 def all_gather_rows(row: torch.Tensor) -> torch.Tensor:
@@ -70,12 +71,12 @@ def all_gather_rows(row: torch.Tensor) -> torch.Tensor:
     return torch.stack(gathered).cpu()
 
 
-def all_gather_objects(obj: Any) -> list[Any]:
-    """Every rank's picklable `obj`, in rank order."""
+def all_gather_objects(obj: Any, group: Optional[dist.ProcessGroup] = None) -> list[Any]:
+    """Every rank's picklable `obj`, in rank order (of `group` if given)."""
     if not active():
         return [obj]
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, obj)
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, obj, group=group)
     return everyone
 
 
@@ -90,3 +91,10 @@ def barrier() -> None:
         # Without device_ids torch guesses the GPU (rank % device count) and warns; a wrong guess
         # makes NCCL build a second communicator on another rank's GPU, or hang.
         dist.barrier(device_ids=[device.index])
+
+
+def average_gradient_bucket(bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP's own gradient all-reduce of one bucket (divide by the world size, sum), for a communication
+    hook that also does something else (`compute_clock`). The bucket lives on the model's device, which
+    DDP's group serves."""
+    return default_hooks.allreduce_hook(dist.group.WORLD, bucket)  # type: ignore[arg-type]

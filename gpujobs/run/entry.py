@@ -67,8 +67,9 @@ class TrainJob:
         from gpujobs.run.checkpoint import CheckpointManager
         from gpujobs.run.metrics import MetricsLog
         from gpujobs.run.preemption import EXIT_REQUEUED, classify_stop, record_attempt
+        from gpujobs.run.rng import seed_everything
         from gpujobs.run.telemetry import Telemetry
-        from gpujobs.run.trainer import Trainer, seed_everything
+        from gpujobs.run.trainer import Trainer
 
         job, run_dir = self.job, Path(self.run_dir)
         torch.set_num_threads(job.resources.cpus_per_task)
@@ -95,9 +96,14 @@ class TrainJob:
         cleanup.callback(telemetry.close)
         seed_everything(job.trainer.seed)
         build = load_task_builder(job.task)
-        attempt.task = build(job.model, job.data, info.rank, info.world_size, job.trainer.grad_accum)
+        # the configured world size sizes a per-rank batch's global batch; the real one may differ (elastic)
+        attempt.task = build(job.model, job.data, job.resources.world_size, job.trainer.grad_accum)
         ckpt = job.checkpoint
-        checkpoints = CheckpointManager(run_dir / CHECKPOINT_DIR, ckpt.every_steps, ckpt.keep, info.rank)
+        checkpoints = CheckpointManager(
+            run_dir / CHECKPOINT_DIR, ckpt.every_steps, ckpt.keep, info.rank,
+            world_size=info.world_size, async_save=ckpt.async_,
+        )
+        cleanup.callback(checkpoints.close)
         attempt.trainer = Trainer(
             job, info, device, attempt.task, checkpoints, metrics,
             on_step=lambda _, r: view.update(r), telemetry=telemetry, preemption=watcher,
@@ -107,7 +113,7 @@ class TrainJob:
         line = {
             "start": round(attempt.started, 3), "start_step": result["start_step"], "steps_done": result["steps"],
             "resumed_from": result["resumed_from"], "saved": result["saved"],
-            "resume_skipped": result["resume_skipped"],
+            "resume_skipped": result["resume_skipped"], "world_size": info.world_size,
         }
         if result["status"] == "preempted":
             reason = classify_stop(job, attempt.started, watcher.flagged_at)
@@ -142,6 +148,7 @@ class _Attempt:
         trainer = self.trainer
         progress = {} if trainer is None else {
             "steps_done": trainer.step, "resumed_from": trainer.resumed_from, "resume_skipped": trainer.resume_skipped,
+            "world_size": trainer.info.world_size,
         }
         error = f"{type(err).__name__}: {message[0] if message else ''}"
         try:

@@ -48,6 +48,11 @@ class Peer:
         return f"rank {self.rank} (node {self.node}, {device})"
 
 
+def _counts_text(record: dict[str, Any]) -> str:
+    counts = record.get("counts")
+    return f" (rows per rank now {counts})" if counts else ""
+
+
 def imbalance(local_times: list[float]) -> tuple[float, int]:
     """(slowest / median, the slowest rank); (1.0, 0) when there is nothing to compare."""
     median = statistics.median(local_times) if local_times else 0.0
@@ -60,10 +65,12 @@ def imbalance(local_times: list[float]) -> tuple[float, int]:
 class StragglerCheck:
     """Adds `imbalance` and `slowest_rank` to each train record; warns (on rank 0) above the threshold."""
 
-    def __init__(self, threshold: float, peers: list[Peer], warn: bool) -> None:
+    def __init__(self, threshold: float, peers: list[Peer], warn: bool, balance: str = "off") -> None:
         self.threshold = threshold
         self.peers = peers
         self.warn = warn
+        self.balance = balance
+        """trainer.balance: the warning says whether balancing is on."""
 
     def check(self, record: dict[str, Any]) -> Optional[str]:
         """Annotate `record`; return the warning text when the slowest rank is over the threshold."""
@@ -81,8 +88,15 @@ class StragglerCheck:
         message = (
             f"straggler at step {record.get('step')}: {peer.where()} is {ratio:.2f}x the median local step time "
             f"({times[slowest]:.4f} s vs {statistics.median(times):.4f} s; threshold {self.threshold:g}); "
-            f"the others wait {wait_share:.0%} of each step for it"
+            f"the others wait {wait_share:.0%} of each step for it; {self._balancing(record)}"
         )
         if self.warn:
             log.warning(message)
         return message
+
+    def _balancing(self, record: dict[str, Any]) -> str:
+        if self.balance == "off":
+            return "balancing is off (trainer.balance=dynamic would give it fewer rows)"
+        if self.balance == "dynamic":
+            return f"balancing is dynamic{_counts_text(record)}: its share shrinks at the next updates"
+        return f"balancing is {self.balance}{_counts_text(record)}, which does not follow measured speed"

@@ -10,15 +10,23 @@ import torch
 class Task(Protocol):
     """What a job gives the trainer. `jobs.rec.task.RecTask` is the reference implementation.
 
-    `train_batch` must be a pure function of (step, micro) for this rank: that is what makes a
-    resumed run continue exactly where the interrupted one stopped.
+    The task owns a global sample stream: step `s`'s global batch is `global_batch_size` rows, a pure
+    function of (seed, s) that does not depend on the number of ranks. The trainer decides which rows
+    each rank reads (its split plan: contiguous slices of each micro-batch, shares equal or balanced)
+    and weights each rank's mean loss by its share, so the averaged gradient is the global batch's.
+    That is what makes resume exact, at the same or at another world size.
+
+    A task is built by its builder, `build(model_cfg, data_cfg, world_size, micro_batches)` (the
+    config's `task` key names it), after the trainer seeded torch: `world_size` is the configured one,
+    for a per-rank batch size's global equivalent; `micro_batches` is trainer.grad_accum.
     """
 
     model: torch.nn.Module
-    samples_per_micro_batch: int
+    global_batch_size: int
+    """Samples of one optimizer step, all ranks and micro-batches together (a multiple of grad_accum)."""
 
-    def train_batch(self, step: int, micro: int, device: torch.device) -> Any:
-        """This rank's micro-batch `micro` of optimizer step `step`, on `device`."""
+    def train_batch(self, step: int, start: int, stop: int, device: torch.device) -> Any:
+        """Rows `start..stop` of optimizer step `step`'s global batch, on `device`."""
 
     def loss(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
         """Mean loss of `batch`; `model` may be the DDP wrapper."""

@@ -30,11 +30,12 @@ class Telemetry:
         cfg: Optional[TelemetryConfig] = None,
         info: Optional[DistInfo] = None,
         peers: Optional[list[Peer]] = None,
+        balance: str = "off",
     ) -> None:
         self.cfg = cfg or TelemetryConfig()
         rank = info.rank if info is not None else 0
         self.slow_s = self.cfg.debug_slow_ms / 1000 if self.cfg.debug_slow_rank == rank else 0.0
-        self.straggler = StragglerCheck(self.cfg.imbalance_threshold, peers or [], warn=rank == 0)
+        self.straggler = StragglerCheck(self.cfg.imbalance_threshold, peers or [], warn=rank == 0, balance=balance)
         self.exporter: Optional[PrometheusExporter] = None
         self.sampler: Optional[GpuSampler] = None
 
@@ -48,7 +49,7 @@ class Telemetry:
         """
         cfg = job.telemetry
         peers = [Peer.from_rank(entry, on_gpu) for entry in ranks]
-        self = cls(cfg, info, peers)
+        self = cls(cfg, info, peers, job.trainer.balance)
         if info.is_main and cfg.prometheus_port is not None:
             self.exporter = PrometheusExporter(job.name, peers)
             self.exporter.start(cfg.prometheus_port, cfg.prometheus_addr, run_dir)
@@ -61,6 +62,9 @@ class Telemetry:
         if self.slow_s:
             log.warning("debug: rank %d sleeps %.0f ms every step (telemetry.debug_slow_rank)", info.rank,
                         cfg.debug_slow_ms)
+        if cfg.debug_slow_rank == info.rank and cfg.debug_slow_factor > 1:
+            log.warning("debug: rank %d computes %gx slower (telemetry.debug_slow_factor)", info.rank,
+                        cfg.debug_slow_factor)
         return self
 
     def before_step(self) -> None:

@@ -4,62 +4,30 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import random
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Optional, cast
+from typing import Any, Optional
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from gpujobs.config import JobConfig
 from gpujobs.run import collectives
+from gpujobs.run.balance import Balancer, replay_history
 from gpujobs.run.checkpoint import CheckpointManager
+from gpujobs.run.compute_clock import ComputeClock
 from gpujobs.run.jobenv import DistInfo
 from gpujobs.run.metrics import MetricsLog, param_digest
 from gpujobs.run.optim import build_optimizer, build_scheduler
 from gpujobs.run.preemption import PreemptionWatcher
+from gpujobs.run.rng import reseed_rank, rng_state, set_rng_state
 from gpujobs.run.task import Task
 from gpujobs.run.telemetry import Telemetry
 from gpujobs.rundir.resume import check_same_run
 
 log = logging.getLogger(__name__)
-
-
-def seed_everything(seed: int) -> None:
-    """Seed python, numpy and torch (all devices) from one number."""
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
-def rng_state() -> dict[str, Any]:
-    """This rank's random streams, in a form `torch.load(weights_only=True)` accepts."""
-    _, numpy_keys, numpy_pos, *_ = cast(tuple[Any, ...], np.random.get_state(legacy=True))
-    state: dict[str, Any] = {
-        "python": list(random.getstate()),
-        "numpy": torch.from_numpy(numpy_keys.astype(np.int64)),
-        "numpy_pos": int(numpy_pos),
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    """Restore what `rng_state` captured."""
-    if not state:
-        return
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    np.random.set_state(("MT19937", state["numpy"].numpy().astype(np.uint32), state["numpy_pos"], 0, 0.0))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 @dataclass
@@ -70,12 +38,17 @@ class StepTimes:
     step_s: float = 0.0
     data_s: float = 0.0
     local_s: float = 0.0
-    """Data wait + forward: the part of the step before the gradient all-reduce makes ranks wait."""
+    """Data wait + forward (what the straggler check compares)."""
     loss_sum: float | torch.Tensor = 0.0
+    compute_s: float = 0.0
+    """Data + forward + backward up to the gradient all-reduce (`ComputeClock`), summed."""
+    rows: int = 0
+    """Rows this rank read."""
 
     def reset(self) -> None:
         """Start a new window."""
         self.steps, self.step_s, self.data_s, self.local_s, self.loss_sum = 0, 0.0, 0.0, 0.0, 0.0
+        self.compute_s, self.rows = 0.0, 0
 
 
 class Trainer:
@@ -104,10 +77,13 @@ class Trainer:
         self.preemption = preemption or PreemptionWatcher()
         cfg = job.trainer
         self.model = task.model.to(device)
+        slowed = job.telemetry.debug_slow_rank == info.rank
+        self.clock = ComputeClock(device, job.telemetry.debug_slow_factor if slowed else 1.0)
         self.ddp: torch.nn.Module = self.model
         if dist.is_initialized():
             ids = [device.index] if device.type == "cuda" else None
             self.ddp = DistributedDataParallel(self.model, device_ids=ids)
+            self.clock.install(self.ddp)
         self.optimizer = build_optimizer(list(self.model.parameters()), job.optim)
         self.scheduler = build_scheduler(self.optimizer, job.optim, cfg.max_steps)
         use_bf16 = cfg.amp == "bf16" or (cfg.amp == "auto" and device.type == "cuda")
@@ -116,11 +92,25 @@ class Trainer:
             if use_bf16
             else contextlib.nullcontext
         )
+        self.global_batch = task.global_batch_size
+        self.balancer = Balancer(
+            cfg, info.world_size, self.global_batch // cfg.grad_accum,
+            gpu_names=self._gpu_names() if cfg.balance == "static" and cfg.balance_gpu_weights else [],
+            replay=replay_history(cfg.balance_replay) if cfg.balance == "replay" and cfg.balance_replay else [],
+        )
+        self.balance_window = StepTimes()
         self.step = 0
+        self.samples = 0
+        """Global samples trained over the run's whole life (restored from checkpoints)."""
         self.saved_step = -1  # same on every rank, so the decision to save is collective
         self.saved: Optional[str] = None
         self.resumed_from: Optional[str] = None
         self.resume_skipped: list[dict[str, Any]] = []
+
+    def _gpu_names(self) -> list[str]:
+        """Every rank's GPU model name as CUDA reports it ("cpu" for a CPU rank); collective."""
+        mine = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
+        return [str(name) for name in collectives.all_gather_objects(mine)]
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -130,37 +120,73 @@ class Trainer:
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "step": self.step,
+            "samples": self.samples,
+            "balance": self.balancer.state_dict(),
             "config": self.job.to_dict(),
         }
 
-    def restore(self) -> None:
-        """Continue from the newest checkpoint that verifies on every rank, if resume is on (collective).
+    def restore(self) -> bool:
+        """Continue from the newest checkpoint that verifies on every rank, if resume is on (collective);
+        True when it did.
 
         Newer steps that did not verify are logged and kept in `resume_skipped` for the attempt's line;
-        a checkpoint of another run (what a step computes differs) is refused.
+        a checkpoint of another run (what a step computes differs) is refused. At another world size the
+        shared state carries over and each rank's random streams are re-derived from (seed, step, rank).
         """
         if not self.job.checkpoint.resume:
-            return
+            return False
         found, self.resume_skipped = self.checkpoints.load_latest(map_location=self.device)
         if found is None:
-            return
-        check_same_run(found.meta, self.job, found.path)
+            return False
+        check_same_run(found.meta, self.job, found.path, global_batch=self.global_batch)
         self.model.load_state_dict(found.shared["model"])
         self.optimizer.load_state_dict(found.shared["optimizer"])
         self.scheduler.load_state_dict(found.shared["scheduler"])
         self.step = self.saved_step = int(found.shared["step"])
-        set_rng_state(found.own.get("rng", {}))
+        self.samples = int(found.shared.get("samples", self.step * self.global_batch))
+        if "balance" in found.shared:
+            self.balancer.load_state_dict(found.shared["balance"])
+        saved_world = found.meta.get("world_size", self.info.world_size)
+        if found.own:
+            set_rng_state(found.own.get("rng", {}))
+        else:
+            reseed_rank(self.job.trainer.seed, self.step, self.info.rank)
         self.resumed_from = self.saved = found.path
-        log.info("resumed from %s (step %d)", found.path, self.step)
+        log.info("resumed from %s (step %d, saved at world size %s, now %d)",
+                 found.path, self.step, saved_world, self.info.world_size)
+        return True
+
+    def _meta(self) -> dict[str, Any]:
+        return {"config": self.job.to_dict(), "world_size": self.info.world_size,
+                "global_batch_size": self.global_batch, "samples": self.samples,
+                "balance": {"mode": self.balancer.mode, "history": self.balancer.history}}
 
     def save(self) -> None:
-        """Collective: every rank writes its part, rank 0 publishes once all are durable.
+        """Collective and synchronous (it first waits for an asynchronous save in flight): every rank
+        writes its part, rank 0 publishes once all are durable.
 
         Raises CheckpointNotSaved on every rank when any rank failed: nothing was published.
         """
-        meta = {"config": self.job.to_dict(), "world_size": self.info.world_size}
-        self.saved = str(self.checkpoints.save(self.step, self.state_dict, {"rng": rng_state()}, meta))
+        started = time.perf_counter()
+        self._published(self.checkpoints.wait())
+        self.saved = str(self.checkpoints.save(self.step, self.state_dict, {"rng": rng_state()}, self._meta()))
         self.saved_step = self.step
+        self._record_save(False, time.perf_counter() - started)
+
+    def save_async(self) -> None:
+        """Collective: blocks while the state is copied to host memory; the rest runs in the background
+        (`poll` at every step boundary publishes it, or raises its failure on every rank)."""
+        self.checkpoints.save_async(self.step, self.state_dict, {"rng": rng_state()}, self._meta())
+        self.saved_step = self.step
+        self._record_save(True, self.checkpoints.last_blocking_s)
+
+    def _published(self, path: Any) -> None:
+        if path is not None:
+            self.saved = str(path)
+
+    def _record_save(self, background: bool, blocking_s: float) -> None:
+        record = {"kind": "checkpoint", "step": self.step, "async": background, "blocking_s": round(blocking_s, 6)}
+        self.metrics.write(record)
 
     # ------------------------------------------------------------------ loop
     def _micro_steps(self) -> Iterator[tuple[int, contextlib.AbstractContextManager[Any]]]:
@@ -173,22 +199,26 @@ class Trainer:
             yield micro, sync
 
     def train_step(self, times: StepTimes) -> None:
-        """One optimizer step over `grad_accum` micro-batches."""
-        accum = self.job.trainer.grad_accum
+        """One optimizer step over `grad_accum` micro-batches, this rank's rows of each by the split plan."""
+        plan, rank = self.balancer.plan, self.info.rank
+        micro_rows, count, offset = self.balancer.micro_batch, plan.counts[rank], plan.offset(rank)
+        weight = plan.weight(rank, self.global_batch)
         start = time.perf_counter()
         for micro, sync in self._micro_steps():
             fetch = time.perf_counter()
+            self.clock.start()
             if micro == 0:
                 self.telemetry.before_step()
-            batch = self.task.train_batch(self.step, micro, self.device)
+            first = micro * micro_rows + offset
+            batch = self.task.train_batch(self.step, first, first + count, self.device)
             times.data_s += time.perf_counter() - fetch
             with sync:
                 with self.autocast():
-                    loss = self.task.loss(self.ddp, batch)
-                    if accum > 1:
-                        loss = loss / accum
+                    # The rank's share of the global batch's mean loss, times the world size that DDP divides by
+                    loss = self.task.loss(self.ddp, batch) * weight
                 times.local_s += time.perf_counter() - fetch
                 loss.backward()
+            self.clock.end()  # after the all-reduce hook already marked it, on a synced micro-batch: no-op
             # summed on the device, read once per log line: no host sync on every step
             times.loss_sum = times.loss_sum + loss.detach()
         if self.job.trainer.grad_clip is not None:
@@ -197,33 +227,44 @@ class Trainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
+        self.samples += self.global_batch
+        rows = count * self.job.trainer.grad_accum
         times.steps += 1
+        times.rows += rows
+        self.balance_window.rows += rows
         times.step_s += time.perf_counter() - start
 
     def fit(self) -> dict[str, Any]:
         """Train to max_steps (resuming if possible); returns the result record (same on all ranks)."""
         cfg = self.job.trainer
         wall_start = time.perf_counter()
-        self.restore()
+        resumed = self.restore()
+        self._write(self.balancer.start(self.step, resumed))
         times = StepTimes()
         window_start = time.perf_counter()
-        train_s, trained_samples = 0.0, 0
-        samples_per_step = self.task.samples_per_micro_batch * cfg.grad_accum * self.info.world_size
+        train_s, start_samples = 0.0, self.samples
         evals: dict[str, float] = {}
         start_step, stopped = self.step, False
         self.ddp.train()
         while self.step < cfg.max_steps:
+            self._write(self.balancer.replay_at(self.step))
             self.train_step(times)
-            trained_samples += samples_per_step
             if cfg.log_every and (self.step % cfg.log_every == 0 or self.step == cfg.max_steps):
                 elapsed = time.perf_counter() - window_start
                 train_s += elapsed
-                self._log_window(times, elapsed, samples_per_step)
+                self._log_window(times, elapsed)
                 times.reset()
+            if self.balancer.mode == "dynamic" and self.step % cfg.balance_every == 0 and self.step < cfg.max_steps:
+                self._rebalance(times)
             if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < cfg.max_steps:
                 evals = self._evaluate()
+            if self.checkpoints.in_flight is not None:
+                self._published(self.checkpoints.poll())
             if self.checkpoints.should_save(self.step, cfg.max_steps):
-                self.save()
+                if self.job.checkpoint.async_ and self.step < cfg.max_steps:
+                    self.save_async()
+                else:
+                    self.save()
             if times.steps == 0:
                 window_start = time.perf_counter()
             # All ranks check at the same steps and agree, so all stop after this same step.
@@ -234,6 +275,7 @@ class Trainer:
             train_s += time.perf_counter() - window_start
         if not stopped:
             evals = self._evaluate()
+        self._published(self.checkpoints.wait())
         if self.saved_step != self.step:
             self.save()
         return {
@@ -242,8 +284,9 @@ class Trainer:
             "saved": self.saved,
             "steps": self.step,
             "world_size": self.info.world_size,
+            "samples": self.samples,
             **evals,
-            "samples_per_s": round(trained_samples / train_s, 2) if train_s > 0 else None,
+            "samples_per_s": round((self.samples - start_samples) / train_s, 2) if train_s > 0 else None,
             "wall_s": round(time.perf_counter() - wall_start, 3),
             "param_digest": param_digest(self.model),
             "resumed_from": self.resumed_from,
@@ -254,19 +297,49 @@ class Trainer:
     def _barrier(self) -> None:
         collectives.barrier()
 
-    def _log_window(self, times: StepTimes, elapsed: float, samples_per_step: int) -> None:
+    def _write(self, record: Optional[dict[str, Any]]) -> None:
+        """A plan record (or None: nothing changed) to the metrics, on rank 0."""
+        if record is not None:
+            log.info("split plan from step %d (%s): %s rows per rank", record["step"], record["reason"],
+                     record["counts"])
+            self.metrics.write(record)
+
+    def _take_compute(self, times: StepTimes) -> None:
+        """Move the clock's compute seconds into both windows (the log line's and the balancer's)."""
+        seconds = self.clock.read()
+        times.compute_s += seconds
+        self.balance_window.compute_s += seconds
+
+    def _rebalance(self, times: StepTimes) -> None:
+        """dynamic: gather every rank's compute time and rows since the last update; every rank derives
+        the same new plan from the same table (one small all-gather every balance_every steps)."""
+        self._take_compute(times)
+        window = self.balance_window
+        table = collectives.all_gather_rows(torch.tensor([window.compute_s, float(window.rows)], dtype=torch.float64))
+        self.balance_window = StepTimes()
+        self._write(self.balancer.update(self.step, table[:, 0].tolist(), table[:, 1].tolist()))
+
+    def _log_window(self, times: StepTimes, elapsed: float) -> None:
         """Gather every rank's timing (one small all-gather per log line) and write the record."""
-        mine = torch.tensor([times.step_s, times.data_s, float(times.loss_sum), times.local_s]) / times.steps
-        table = collectives.all_gather_rows(mine)  # world size x 4, on the CPU whatever the backend
+        self._take_compute(times)
+        per_sample = times.compute_s / times.rows if times.rows else 0.0
+        mine = torch.tensor(
+            [times.step_s, times.data_s, float(times.loss_sum), times.local_s, per_sample * times.steps]
+        ) / times.steps
+        table = collectives.all_gather_rows(mine)  # world size x 5, on the CPU whatever the backend
         record = {
             "kind": "train",
             "step": self.step,
+            # each rank's loss is weighted by its share times the world size: their mean is the global batch's
             "loss": round(float(table[:, 2].mean()), 6),
             "lr": self.scheduler.get_last_lr()[0],
-            "samples_per_s": round(samples_per_step * times.steps / elapsed, 2),
+            "samples_per_s": round(self.global_batch * times.steps / elapsed, 2),
             "step_time_s": [round(float(x), 6) for x in table[:, 0]],
             "data_time_s": [round(float(x), 6) for x in table[:, 1]],
             "local_time_s": [round(float(x), 6) for x in table[:, 3]],
+            "compute_s_per_sample": [round(float(x), 9) for x in table[:, 4]],
+            "counts": list(self.balancer.plan.counts),
+            "balance": self.balancer.mode,
         }
         self.telemetry.step(record)
         self.metrics.write(record)

@@ -1,5 +1,5 @@
 """The records that cross modules, typed once: an attempt (attempts.jsonl), a result (result.json)
-and a metrics line (metrics.jsonl: a train or an eval record).
+and a metrics line (metrics.jsonl: a train, an eval, a plan or a checkpoint record).
 
 Readers get them from `read_attempts`, `read_result`, `read_metrics` (or `metrics_record` for one
 line), which tolerate what a crash or an older gpujobs left (a torn line is skipped, an unknown key
@@ -57,6 +57,8 @@ class Attempt:
     """rank 0, or what stood beside the ranks when rank 0 could not: the launcher or the supervisor."""
     script_exit: Optional[int] = None
     """A bring-your-own script's exit code."""
+    world_size: Optional[int] = None
+    """Ranks the attempt ran with (elastic jobs: what the allocation gave)."""
 
     @classmethod
     def from_json(cls, line: dict[str, Any]) -> Optional[Attempt]:
@@ -85,6 +87,8 @@ class Result:
     status: str
     steps: Optional[int] = None
     world_size: Optional[int] = None
+    samples: Optional[int] = None
+    """Global samples trained over the run's whole life (every attempt, whatever its world size)."""
     samples_per_s: Optional[float] = None
     wall_s: Optional[float] = None
     param_digest: Optional[str] = None
@@ -163,6 +167,12 @@ class TrainRecord:
     imbalance: Optional[float] = None
     """Slowest / median local time."""
     slowest_rank: Optional[int] = None
+    counts: list[int] = field(default_factory=list)
+    """Rows per rank per micro-batch in the window's last step (the split plan it trained with)."""
+    compute_s_per_sample: list[float] = field(default_factory=list)
+    """Every rank's measured compute time per sample over the window, in rank order."""
+    balance: Optional[str] = None
+    """The balance mode (off | static | dynamic | replay)."""
 
 
 @dataclass(frozen=True)
@@ -174,7 +184,35 @@ class EvalRecord:
     time: float = 0.0
 
 
-MetricsRecord = Union[TrainRecord, EvalRecord]
+@dataclass(frozen=True)
+class PlanRecord:
+    """A plan line of metrics.jsonl: the split plan of the global batch, written at start and at each change."""
+
+    step: int
+    """The first step the plan applies to."""
+    mode: str
+    """The balance mode (off | static | dynamic | replay)."""
+    reason: str
+    """Why it was written: start | update | resume | replay | world."""
+    shares: list[float]
+    """Each rank's fraction of the global batch, in rank order (they sum to 1)."""
+    counts: list[int] = field(default_factory=list)
+    """Rows per rank per micro-batch."""
+    time: float = 0.0
+
+
+@dataclass(frozen=True)
+class CheckpointRecord:
+    """A checkpoint line of metrics.jsonl: one save, and how long it blocked training."""
+
+    step: int
+    blocking_s: float
+    async_: bool = False
+    """Key `async` in the file: whether writing and publishing ran in the background."""
+    time: float = 0.0
+
+
+MetricsRecord = Union[TrainRecord, EvalRecord, PlanRecord, CheckpointRecord]
 
 
 def metrics_record(line: dict[str, Any]) -> Optional[MetricsRecord]:
@@ -188,6 +226,15 @@ def metrics_record(line: dict[str, Any]) -> Optional[MetricsRecord]:
             return EvalRecord(step=int(line["step"]), metrics=metrics, time=float(line.get("time", 0.0)))
         if line.get("kind") == "train":
             return TrainRecord(**_known(TrainRecord, line))
+        if line.get("kind") == "plan":
+            plan = PlanRecord(**_known(PlanRecord, line))
+            # the shares are drawn as numbers: a line that holds anything else is not a plan
+            return dataclasses.replace(plan, shares=[float(v) for v in plan.shares],
+                                       counts=[int(v) for v in plan.counts])
+        if line.get("kind") == "checkpoint":
+            values = {"async_": line["async"], **line} if "async" in line else line
+            save = CheckpointRecord(**_known(CheckpointRecord, values))
+            return dataclasses.replace(save, blocking_s=float(save.blocking_s), async_=bool(save.async_))
     except (KeyError, TypeError, ValueError):
         return None
     return None

@@ -2,8 +2,12 @@
 
 Both sides ask: the submit side before anything starts (exit 2), the job side when it loads a checkpoint
 (a recorded failed attempt). Changing how long to train, the cadences, telemetry or placement is fine;
-changing the model, the data, the optimizer, the seed, the gradient accumulation, the numerics or the
-world size would silently continue another run's parameters, so it is refused with the keys named.
+changing the model, the data, the optimizer, the seed, the gradient accumulation or the numerics would
+silently continue another run's parameters, so it is refused with the keys named.
+
+The world size may change (elastic resume): the samples of a step are a function of the seed and the
+global batch size only. What must stay is the global batch, whether the config states it
+(`data.global_batch_size`) or derives it from a per-rank `data.batch_size`; the marker records it.
 """
 
 from __future__ import annotations
@@ -43,26 +47,55 @@ def _pick(config: dict[str, Any], dotted: str) -> Any:
     return node
 
 
-def differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """The compute keys whose values differ, as `key (saved -> current)`, sorted."""
+#: Keys that only size the global batch: compared through the global batch they give, not one by one.
+BATCH_KEYS = ("data.batch_size", "data.global_batch_size")
+
+
+def global_batch_of(job: JobConfig, world_size: Optional[int] = None) -> Optional[int]:
+    """The global batch (samples per step) of `job` at `world_size` (default: the configured one), when
+    its data config can say (`global_batch(world_size, micro_batches)`, as the rec job's does)."""
+    sizer = getattr(job.data, "global_batch", None)
+    if sizer is None:
+        return None
+    return int(sizer(world_size or job.resources.world_size, job.trainer.grad_accum))
+
+
+def differences(saved: dict[str, Any], current: dict[str, Any], skip: tuple[str, ...] = ()) -> list[str]:
+    """The compute keys whose values differ, as `key (saved -> current)`, sorted (`skip`: leaves not compared)."""
     changed = []
     for key in COMPUTE_KEYS:
         old, new = _leaves(_pick(saved, key), key), _leaves(_pick(current, key), key)
         for leaf in sorted(set(old) | set(new)):
+            if leaf in skip:
+                continue
             if old.get(leaf) != new.get(leaf):
                 changed.append(f"{leaf} ({old.get(leaf)!r} -> {new.get(leaf)!r})")
     return changed
 
 
-def check_same_run(meta: dict[str, Any], job: JobConfig, where: str) -> None:
-    """Raise ResumeMismatch when the checkpoint described by `meta` (its marker) is of another run."""
+def check_same_run(meta: dict[str, Any], job: JobConfig, where: str, global_batch: Optional[int] = None) -> None:
+    """Raise ResumeMismatch when the checkpoint described by `meta` (its marker) is of another run.
+
+    `global_batch`: the resuming run's samples per step (the job side knows it from its task; the submit
+    side derives it from the data config where it can).
+    """
     saved = meta.get("config")
     if not isinstance(saved, dict):
         return  # a marker of an older gpujobs: nothing to compare
-    changed = differences(saved, job.to_dict())
-    saved_world = meta.get("world_size")
-    if saved_world is not None and saved_world != job.resources.world_size:
-        changed.append(f"world size ({saved_world} -> {job.resources.world_size})")
+    saved_batch = meta.get("global_batch_size")
+    if saved_batch is None:  # an older marker: the world size and the per-rank batch must match as they were
+        changed = differences(saved, job.to_dict())
+        saved_world = meta.get("world_size")
+        if saved_world is not None and saved_world != job.resources.world_size:
+            changed.append(f"world size ({saved_world} -> {job.resources.world_size})")
+    else:
+        changed = differences(saved, job.to_dict(), skip=BATCH_KEYS)
+        batch = global_batch if global_batch is not None else global_batch_of(job)
+        if batch is not None and batch != saved_batch:
+            changed.append(
+                f"the global batch ({saved_batch} -> {batch} samples per step; to resume at another world size "
+                f"keep it with data.global_batch_size={saved_batch})"
+            )
     if changed:
         raise ResumeMismatch(
             f"{where} was trained with other values of {', '.join(changed)}: a run dir resumes only the same run; "

@@ -10,7 +10,7 @@ caller places them under "model." or "data.".
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 from gpujobs.errors import ConfigError
 from gpujobs.validate import Checked, bounds
@@ -65,7 +65,7 @@ class SyntheticClicksConfig(Checked):
     _target_: str = "jobs.rec.config.SyntheticClicksConfig"
     """Hydra instantiates this schema; the trainer then calls `build`."""
     num_train: int = field(default=200_000, metadata=bounds(ge=1))
-    """Training samples; every rank generates all of them and reads its own shard."""
+    """Training samples; every rank generates all of them and reads its slice of each step."""
     num_eval: int = field(default=50_000, metadata=bounds(ge=2))
     """Held-out samples for AUC and log-loss."""
     num_dense: int = field(default=8, metadata=bounds(ge=1))
@@ -75,7 +75,11 @@ class SyntheticClicksConfig(Checked):
     )
     """Number of distinct values of each categorical feature."""
     batch_size: int = field(default=256, metadata=bounds(ge=1))
-    """Samples per rank per micro-step."""
+    """Samples per rank per micro-step at the configured world size: the global batch is
+    batch_size * resources' world size * trainer.grad_accum unless global_batch_size says otherwise."""
+    global_batch_size: Optional[int] = field(default=None, metadata=bounds(ge=1))
+    """Samples per optimizer step, all ranks together (default: from batch_size). Set it to resume or
+    rerun a run at another world size with the same global sample stream."""
     seed: int = field(default=0, metadata=bounds(ge=0))
     """Seed of the generated data and of its shuffling; independent of the training seed."""
     ctr: float = field(default=0.2, metadata=bounds(gt=0.0, lt=1.0))
@@ -94,8 +98,13 @@ class SyntheticClicksConfig(Checked):
             allowed = f"at most {num_pairs}, the number of pairs of {len(self.cardinalities)} features"
             raise ConfigError("num_interactions", self.num_interactions, allowed)
 
-    def build(self, rank: int, world_size: int, micro_batches: int) -> RecData:
-        """Generate the log (identically on every rank) and serve `rank`'s shard of it."""
+    def global_batch(self, world_size: int, micro_batches: int) -> int:
+        """Samples per optimizer step: global_batch_size, else batch_size per rank of `world_size`."""
+        return self.global_batch_size or self.batch_size * world_size * micro_batches
+
+    def build(self, world_size: int, micro_batches: int) -> RecData:
+        """Generate the log (identically on every rank) and its global sample stream; `world_size` is the
+        configured one, which only sizes the default global batch."""
         from jobs.rec.data import RecData
         from jobs.rec.synthetic import generate_clicks
 
@@ -104,9 +113,7 @@ class SyntheticClicksConfig(Checked):
             log.features,
             log.train,
             log.eval,
-            batch_size=self.batch_size,
-            rank=rank,
-            world_size=world_size,
+            global_batch_size=self.global_batch(world_size, micro_batches),
             micro_batches=micro_batches,
             seed=self.seed,
             oracle_auc=log.oracle_auc,
@@ -120,18 +127,24 @@ class CriteoTSVConfig(Checked):
     _target_: str = "jobs.rec.config.CriteoTSVConfig"
     """Hydra instantiates this schema; the trainer then calls `build`."""
     train_path: str = field(metadata=_PATH)
-    """Training file; every rank reads all of it and trains on its own shard."""
+    """Training file; every rank reads all of it and trains on its slice of each step."""
     eval_path: str = field(metadata=_PATH)
     """Held-out file for AUC and log-loss."""
     hash_buckets: int = field(default=100_000, metadata=bounds(ge=1))
     """Categorical values are hashed into this many buckets per feature (plus one for "missing")."""
     batch_size: int = field(default=256, metadata=bounds(ge=1))
-    """Samples per rank per micro-step."""
+    """Samples per rank per micro-step at the configured world size (see SyntheticClicksConfig)."""
+    global_batch_size: Optional[int] = field(default=None, metadata=bounds(ge=1))
+    """Samples per optimizer step, all ranks together (default: from batch_size)."""
     seed: int = field(default=0, metadata=bounds(ge=0))
     """Seed of the shuffling; independent of the training seed."""
 
-    def build(self, rank: int, world_size: int, micro_batches: int) -> RecData:
-        """Read both files (on every rank) and serve `rank`'s shard of the training file."""
+    def global_batch(self, world_size: int, micro_batches: int) -> int:
+        """Samples per optimizer step: global_batch_size, else batch_size per rank of `world_size`."""
+        return self.global_batch_size or self.batch_size * world_size * micro_batches
+
+    def build(self, world_size: int, micro_batches: int) -> RecData:
+        """Read both files (on every rank) and their global sample stream (see SyntheticClicksConfig.build)."""
         from jobs.rec.criteo import criteo_features, read_criteo_tsv
         from jobs.rec.data import RecData
 
@@ -139,9 +152,7 @@ class CriteoTSVConfig(Checked):
             criteo_features(self.hash_buckets),
             read_criteo_tsv(self.train_path, self.hash_buckets),
             read_criteo_tsv(self.eval_path, self.hash_buckets),
-            batch_size=self.batch_size,
-            rank=rank,
-            world_size=world_size,
+            global_batch_size=self.global_batch(world_size, micro_batches),
             micro_batches=micro_batches,
             seed=self.seed,
             oracle_auc=None,

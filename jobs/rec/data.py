@@ -1,7 +1,7 @@
-"""In-memory click data and its deterministic, rank-sharded batch schedule.
+"""In-memory click data and its global sample stream: the rows of every step, whatever the world size.
 
 Where the samples come from (synthetic generator, Criteo files) lives in sibling modules; this one only
-holds them and decides which rows each rank reads at each step.
+holds them and decides which rows make up each step's global batch (the trainer decides who reads which).
 """
 
 from __future__ import annotations
@@ -13,29 +13,14 @@ from typing import NamedTuple
 import torch
 
 from gpujobs.errors import ConfigError
+from gpujobs.run.rng import derive_seed
 
-_MASK64 = (1 << 64) - 1
+__all__ = ["GENERATOR_STREAM", "SHUFFLE_STREAM", "FeatureSpec", "RecBatch", "RecData", "derive_seed"]
 
 GENERATOR_STREAM = 0
 """`derive_seed` stream of the synthetic click log."""
 SHUFFLE_STREAM = 1
 """`derive_seed` stream of the epoch permutations."""
-
-
-def derive_seed(seed: int, *stream: int) -> int:
-    """A 63-bit seed for the random stream named by `stream`, derived from the user's `seed`.
-
-    Seeding generators with `seed + epoch` would make (seed=1, epoch=0) and (seed=0, epoch=1) share a
-    stream; mixing with splitmix64 keeps the streams unrelated and is stable across Python runs.
-    """
-    state = seed & _MASK64
-    for word in (*stream, len(stream)):
-        state = (state + 0x9E3779B97F4A7C15 + (word & _MASK64)) & _MASK64
-        z = state
-        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-        state = z ^ (z >> 31)
-    return state >> 1  # torch.Generator.manual_seed takes a signed 64-bit value
 
 
 @dataclass(frozen=True)
@@ -73,13 +58,14 @@ class RecBatch(NamedTuple):
 
 
 class RecData:
-    """Train and eval splits in memory, and the batch of each (step, micro-step) for one rank.
+    """Train and eval splits in memory, and the global sample stream: the rows of every optimizer step.
 
-    Batches follow a DistributedSampler-like schedule: epoch e visits the training rows in a permutation
-    seeded by (seed, e); each global micro-batch is the next `batch_size * world_size` rows of it, of which
-    rank r reads the r-th `batch_size`; the tail that does not fill a global micro-batch is dropped. So a
-    batch is a pure function of (step, micro, rank, world_size, seed), which makes resume exact, and ranks
-    never read the same row within an epoch.
+    Step s's global batch is `global_batch_size` rows, made of `micro_batches` global micro-batches of
+    `micro_batch` rows each; global micro-batch k = s * micro_batches + m is the k-th run of `micro_batch`
+    rows through the epochs' permutations (epoch e visits the training rows in a permutation seeded by
+    (seed, e); the tail that does not fill a micro-batch is dropped). So the rows of a step are a pure
+    function of (seed, step) and the global batch size, whatever the number of ranks or how they share
+    it: ranks read contiguous slices by the trainer's split plan, which makes resume exact at any world size.
     """
 
     def __init__(
@@ -88,42 +74,40 @@ class RecData:
         train: RecBatch,
         eval: RecBatch,
         *,
-        batch_size: int,
-        rank: int,
-        world_size: int,
+        global_batch_size: int,
         micro_batches: int,
         seed: int,
         oracle_auc: float | None,
     ) -> None:
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} is outside a world of size {world_size}")
         if micro_batches < 1:
             raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
         _check_split("train", train, features)
         _check_split("eval", eval, features)
         num_train = train.num_rows
-        global_batch = batch_size * world_size
-        if not 1 <= global_batch <= num_train:
-            allowed = f"1..{num_train // world_size} ({num_train} training rows over {world_size} ranks)"
-            raise ConfigError("batch_size", batch_size, allowed)
+        if global_batch_size % micro_batches:
+            raise ConfigError(
+                "global_batch_size", global_batch_size, f"a multiple of trainer.grad_accum={micro_batches}"
+            )
+        micro_batch = global_batch_size // micro_batches
+        if not 1 <= micro_batch <= num_train:
+            allowed = f"1..{num_train * micro_batches} samples per step ({num_train} training rows per micro-batch)"
+            raise ConfigError("global_batch_size", global_batch_size, allowed)
         self.features = features
-        self.batch_size = batch_size
-        self.rank = rank
-        self.world_size = world_size
+        self.global_batch_size = global_batch_size
+        self.micro_batch = micro_batch
         self.micro_batches = micro_batches
         self.seed = seed
         self.oracle_auc = oracle_auc
         self._train = train
         self._eval = eval
-        self._global_batch = global_batch
-        self._batches_per_epoch = num_train // global_batch
+        self._batches_per_epoch = num_train // micro_batch
         self._cached_epoch = -1
         self._cached_order = torch.empty(0, dtype=torch.int64)
 
     @property
     def samples_per_epoch(self) -> int:
-        """Training rows all ranks together read in one epoch (the dropped tail excluded)."""
-        return self._batches_per_epoch * self._global_batch
+        """Training rows one epoch reads (the dropped tail excluded)."""
+        return self._batches_per_epoch * self.micro_batch
 
     @property
     def num_eval(self) -> int:
@@ -134,13 +118,20 @@ class RecData:
         """The epoch that the first micro-batch of optimizer step `step` belongs to."""
         return (step * self.micro_batches) // self._batches_per_epoch
 
-    def train_batch(self, step: int, micro: int) -> RecBatch:
-        """This rank's micro-batch `micro` (0..micro_batches-1) of optimizer step `step` (from 0)."""
-        if step < 0 or not 0 <= micro < self.micro_batches:
-            raise ValueError(f"no batch for step {step}, micro {micro} of {self.micro_batches}")
-        epoch, position = divmod(step * self.micro_batches + micro, self._batches_per_epoch)
-        start = position * self._global_batch + self.rank * self.batch_size
-        rows = self._order(epoch)[start : start + self.batch_size]
+    def train_rows(self, step: int, start: int, stop: int) -> RecBatch:
+        """Rows `start..stop` (0 <= start <= stop <= global_batch_size) of optimizer step `step`'s global batch."""
+        if step < 0 or not 0 <= start <= stop <= self.global_batch_size:
+            raise ValueError(f"no rows {start}..{stop} of step {step} (global batch {self.global_batch_size})")
+        parts = []
+        row = start
+        while row < stop:  # one piece per global micro-batch the slice touches (one, for the trainer)
+            micro, inside = divmod(row, self.micro_batch)
+            end = min(stop, (micro + 1) * self.micro_batch)
+            epoch, position = divmod(step * self.micro_batches + micro, self._batches_per_epoch)
+            first = position * self.micro_batch + inside
+            parts.append(self._order(epoch)[first : first + end - row])
+            row = end
+        rows = parts[0] if len(parts) == 1 else torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
         return RecBatch(
             self._train.dense.index_select(0, rows),
             self._train.sparse.index_select(0, rows),
@@ -155,7 +146,7 @@ class RecData:
             yield RecBatch(*(t[start : start + batch_size] for t in self._eval))
 
     def _order(self, epoch: int) -> torch.Tensor:
-        # One permutation per epoch, shared by all ranks; recomputed only when the epoch changes.
+        # One permutation per epoch, the same on every rank; recomputed only when the epoch changes.
         if epoch != self._cached_epoch:
             generator = torch.Generator().manual_seed(derive_seed(self.seed, SHUFFLE_STREAM, epoch))
             self._cached_order = torch.randperm(self._train.num_rows, generator=generator)

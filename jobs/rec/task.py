@@ -21,18 +21,17 @@ class RecTask:
         self,
         model_cfg: DLRMConfig,
         data_cfg: SyntheticClicksConfig | CriteoTSVConfig,
-        rank: int,
         world_size: int,
         micro_batches: int,
     ) -> None:
-        self.data = data_cfg.build(rank, world_size, micro_batches)
+        self.data = data_cfg.build(world_size, micro_batches)
         self.model: nn.Module = model_cfg.build(self.data.features)
-        self.samples_per_micro_batch: int = self.data.batch_size
-        """This rank's samples per micro-step."""
+        self.global_batch_size: int = self.data.global_batch_size
+        """Samples per optimizer step, all ranks together."""
 
-    def train_batch(self, step: int, micro: int, device: torch.device) -> RecBatch:
-        """This rank's micro-batch `micro` of optimizer step `step`, on `device`."""
-        return self.data.train_batch(step, micro).to(device)
+    def train_batch(self, step: int, start: int, stop: int, device: torch.device) -> RecBatch:
+        """Rows `start..stop` of optimizer step `step`'s global batch, on `device`."""
+        return self.data.train_rows(step, start, stop).to(device)
 
     def loss(self, model: nn.Module, batch: RecBatch) -> torch.Tensor:
         """Mean binary cross-entropy of `model` (the DLRM, or a DDP wrapper of it) on `batch`."""
@@ -67,9 +66,8 @@ class RecTask:
 def build_task(
     model_cfg: DLRMConfig,
     data_cfg: SyntheticClicksConfig | CriteoTSVConfig,
-    rank: int,
     world_size: int,
     micro_batches: int,
 ) -> RecTask:
-    """The rec task of `rank` in a world of `world_size`, accumulating `micro_batches` per step."""
-    return RecTask(model_cfg, data_cfg, rank, world_size, micro_batches)
+    """The rec task of a run configured for `world_size` ranks, accumulating `micro_batches` per step."""
+    return RecTask(model_cfg, data_cfg, world_size, micro_batches)
