@@ -15,14 +15,17 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import SLOW, read_result, submit
+from conftest import SLOW, compose_job, read_result, submit
 from jobctl import RunningJob
 from test_sweep import TINY, array_of, gpujobs, job_ids, sweep, wait_final
 
 from gpujobs.atomic import read_jsonl
 from gpujobs.launch.follow import MetricsFollower
 from gpujobs.launch.manage import parse_sacct, sacct_state_of
-from gpujobs.rundir.files import read_submissions, record_cancel, record_submission
+from gpujobs.run.metrics import MetricsLog
+from gpujobs.rundir.attempts import AttemptLog
+from gpujobs.rundir.files import read_submissions, record_cancel, record_submission, write_config
+from gpujobs.rundir.records import Result
 
 #: What a crash leaves at the end of a JSON-lines file, and lines that are no record at all.
 TORN, GARBAGE = '{"step": 1, "loss": 0.', ("garbage\n", "[1, 2]\n", '{"step": 7, "loss": 0.5}}\n')
@@ -127,6 +130,37 @@ def test_watch_ends_when_the_last_attempt_says_no_requeue(tmp_path: Path) -> Non
     tear(run_dir)
     watch = gpujobs("status", "--watch", "0.2", str(run_dir), env={})
     assert watch.returncode == 0 and "failed (files)" in rows(watch.stdout)["-"], watch.stdout + watch.stderr
+
+
+def test_status_shows_each_attempts_world_size_and_the_current_one(tmp_path: Path) -> None:
+    """Written by the real writers: the ledger (one line per attempt, one of an older gpujobs without a
+    world size), rank 0's metrics log and the result; `status` reads them as it reads any run dir."""
+    run_dir = tmp_path / "run"
+    job = compose_job("+experiment=rec", "+debug=tiny", "cluster=slurm", "resources.nodes=2",
+                      "resources.min_nodes=1", "resources.procs_per_node=2")
+    write_config(run_dir, job)
+
+    def world_cells() -> tuple[str, str]:
+        status = gpujobs("status", str(run_dir), env={})
+        assert status.returncode == 0, status.stderr
+        cells = [c.strip() for c in rows(status.stdout)["-"].split("│")]
+        header = next(line for line in status.stdout.splitlines() if "attempts" in line)
+        names = [c.strip() for c in header.strip("┃ ").split("┃")]
+        return cells[names.index("world")], cells[names.index("attempts")]
+
+    assert world_cells() == ("-", "0")
+    ledger = AttemptLog(run_dir)
+    ledger.record(job.cluster, "preempted", job_id="11", world_size=4)
+    ledger.record(job.cluster, "failed", job_id="11")  # an older line: no world size
+    ledger.record(job.cluster, "preempted", job_id="11", world_size=2, recorded_by="supervisor")
+    assert world_cells() == ("2", "3 (preempted) world 4→?→2")  # nothing newer: the last attempt's
+    metrics = MetricsLog(run_dir / "metrics.jsonl")  # the attempt now running trains on 3 ranks
+    metrics.write({"kind": "train", "step": 40, "loss": 0.5, "samples_per_s": 900.0, "step_time_s": [0.1] * 3})
+    metrics.close()
+    assert world_cells() == ("3", "3 (preempted) world 4→?→2")
+    ledger.record(job.cluster, "completed", job_id="11", world_size=3)
+    Result(status="completed", steps=40, world_size=3).write(run_dir)
+    assert world_cells() == ("3", "4 (completed) world 4→?→2→3")
 
 
 # ---------------------------------------------------------------- live cluster

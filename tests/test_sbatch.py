@@ -73,3 +73,27 @@ def test_the_most_hostile_accepted_job_matches_the_golden_file() -> None:
     assert flags["signal"] == "USR2@65535"
     assert "\\" not in text.split("\n# NCCL")[0]
     assert "export NCCL_NVLS_ENABLE=1\n" in text  # `true`, as NCCL reads it
+
+
+FOUR_NODES = ("+experiment=rec", "cluster=slurm", "cluster.partition=debug", "resources.nodes=4",
+              "resources.gpus_per_node=2", "resources.cpus_per_task=4")
+ELASTIC = (*FOUR_NODES, "resources.min_nodes=2")
+
+
+def test_an_elastic_job_asks_for_a_node_range_and_fixes_no_total() -> None:
+    """`--nodes=MIN-MAX`; everything else per node, so the world size is whatever the allocation gives."""
+    text = render_sbatch(sbatch_request(compose_job(*ELASTIC), Path("/runs/rec/submitit"), COMMAND))
+    assert_golden(text, "rec_elastic_2to4_nodes.sbatch")
+    assert "#SBATCH --nodes=2-4\n" in text and "#SBATCH --ntasks-per-node=2\n" in text
+    assert "#SBATCH --gpus-per-node=2\n" in text
+    assert "--ntasks=" not in text and "--ntasks " not in text
+    srun = shlex.split(next(line for line in text.splitlines() if line.startswith("exec ")))
+    srun = srun[srun.index("srun"):]
+    assert not {"-n", "-N", "--nodes", "--ntasks"} & set(srun) and not [a for a in srun if a.startswith("--n")]
+
+
+@pytest.mark.parametrize("min_nodes", ["resources.min_nodes=null", "resources.min_nodes=4"])
+def test_min_nodes_equal_to_nodes_renders_the_fixed_script(min_nodes: str) -> None:
+    fixed, same = compose_job(*FOUR_NODES), compose_job(*FOUR_NODES, min_nodes)
+    render = [render_sbatch(sbatch_request(job, Path("/r"), COMMAND)) for job in (fixed, same)]
+    assert render[0] == render[1] and "#SBATCH --nodes=4\n" in render[0] and "Elastic" not in render[0]

@@ -12,7 +12,7 @@ from gpujobs.atomic import jsonl_record
 from gpujobs.config import JobConfig
 from gpujobs.progress import ProgressView
 from gpujobs.rundir import METRICS_FILE, RESULT_FILE
-from gpujobs.rundir.records import read_result
+from gpujobs.rundir.records import read_attempts, read_result
 
 _POLL_S = 0.25
 
@@ -75,7 +75,7 @@ class JobFollower:
                 self._show_new()
                 time.sleep(_POLL_S)
             self._show_new()
-            sjob.results()
+            results(sjob, self.run_dir)
         except KeyboardInterrupt:
             sjob.cancel()
             raise
@@ -94,6 +94,31 @@ class JobFollower:
                  "samples_per_s": result.samples_per_s}
         print("gpujobs: " + " ".join(f"{k}={v}" for k, v in shown.items() if v is not None))
         print(f"gpujobs: result in {self.run_dir / RESULT_FILE}")
+
+
+def results(sjob: Any, run_dir: Path) -> list[Any]:
+    """`sjob.results()` of a job that is done, over the ranks that its last attempt ran.
+
+    submitit expects one result per task of the largest allocation; an elastic job (`--nodes=MIN-MAX`)
+    may end on fewer nodes, and the ranks it did not start leave nothing to read. The attempt's line
+    (or result.json) says how many ran; where neither does, every task is read.
+    """
+    ran = ranks_of_last_attempt(run_dir, str(sjob.job_id))
+    if ran is None or ran >= sjob.num_tasks:
+        return list(sjob.results())
+    return [sjob.task(rank).result() for rank in range(ran)]
+
+
+def ranks_of_last_attempt(run_dir: Path, job_id: str) -> Optional[int]:
+    """The world size of the last attempt of Slurm job `job_id` in `run_dir`, where the ledger or the
+    result says it."""
+    attempts = read_attempts(run_dir)
+    if not attempts or attempts[-1].job_id != job_id:
+        return None  # a local run, or a job that recorded nothing (yet)
+    if attempts[-1].world_size is not None:
+        return attempts[-1].world_size
+    result = read_result(run_dir)
+    return result.world_size if result is not None else None
 
 
 def failure_line(err: Exception) -> str:

@@ -94,5 +94,6 @@ def _judge_attempt(job: JobConfig, attempts: AttemptLog, before: int, error: str
     if len(history) > before:
         last = history[-1]
         return last.reason, Decision(last.requeue, last.why), last.error or error
-    recorded = attempts.record(job.cluster, "failed", error=error, recorded_by="launcher")
+    recorded = attempts.record(job.cluster, "failed", error=error, recorded_by="launcher",
+                               world_size=job.resources.ranks_per_node)  # a local job's ranks: one node's
     return "failed", Decision(recorded.requeue, recorded.why), error

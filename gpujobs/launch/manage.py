@@ -170,7 +170,8 @@ def refresh(points: list[PointState], timeout_s: float = 10.0) -> Optional[str]:
 def progress(run_dir: Path) -> tuple[str, str]:
     """(last step, last metric): the result's AUC when there is one, else the last logged loss."""
     result = read_result(run_dir)
-    records = read_metrics(run_dir)
+    # plan and checkpoint records say nothing of how far training got in loss or AUC
+    records = [r for r in read_metrics(run_dir) if isinstance(r, (TrainRecord, EvalRecord))]
     last = records[-1] if records else None
     step = result.steps if result is not None and result.steps is not None else last.step if last else ""
     if result is not None and "auc" in result.metrics:
@@ -181,9 +182,28 @@ def progress(run_dir: Path) -> tuple[str, str]:
 
 
 def attempts_text(run_dir: Path) -> str:
-    """How many attempts ran, and why the last one ended."""
+    """How many attempts ran, why the last one ended, and each one's world size where the ledger has it
+    (`3 (completed) world 4→2→2`; `?` for an attempt recorded without one)."""
     attempts = AttemptLog(run_dir).read()
-    return f"{len(attempts)} ({attempts[-1].reason})" if attempts else "0"
+    if not attempts:
+        return "0"
+    text = f"{len(attempts)} ({attempts[-1].reason})"
+    sizes = [str(a.world_size) if a.world_size is not None else "?" for a in attempts]
+    return text if set(sizes) == {"?"} else f"{text} world {'→'.join(sizes)}"
+
+
+def world_size_now(run_dir: Path) -> str:
+    """The run's world size: the result's once it has one, else that of the attempt whose training
+    records came last (the one running, or the last that ran: the ranks of its last logged window),
+    else the last attempt's; `-` when nothing says."""
+    result = read_result(run_dir)
+    if result is not None and result.world_size is not None:
+        return str(result.world_size)
+    for record in reversed(read_metrics(run_dir)):
+        if isinstance(record, TrainRecord) and record.step_time_s:
+            return str(len(record.step_time_s))
+    attempts = AttemptLog(run_dir).read()
+    return str(attempts[-1].world_size) if attempts and attempts[-1].world_size is not None else "-"
 
 
 def status_table(points: list[PointState]) -> Any:
@@ -193,14 +213,15 @@ def status_table(points: list[PointState]) -> Any:
     # Only what tells the points apart: overrides every point shares go in the title.
     shared = set.intersection(*(set(p.overrides) for p in points)) if len(points) > 1 else set()
     table = Table(title=" ".join(o for o in points[0].overrides if o in shared) or None)
-    for column in ("point", "overrides", "job id", "state", "attempts", "step", "metric"):
+    for column in ("point", "overrides", "job id", "state", "world", "attempts", "step", "metric"):
         table.add_column(column, overflow="fold")
     for point in points:
         step, metric = progress(point.run_dir)
         own = [o for o in point.overrides if o not in shared]
         table.add_row(
             "-" if point.num is None else str(point.num), " ".join(own) or point.run_dir.name,
-            point.job_id or "-", point.state, attempts_text(point.run_dir), step, metric,
+            point.job_id or "-", point.state, world_size_now(point.run_dir), attempts_text(point.run_dir), step,
+            metric,
         )
     return table
 

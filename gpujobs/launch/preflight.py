@@ -121,19 +121,28 @@ def check(job: JobConfig, info: ClusterInfo) -> None:
     else:
         raise ConfigError("cluster.partition", cluster.partition, f"one of {names}")
 
+    # An elastic job (--nodes=MIN-MAX) needs only MIN nodes that can run it: Slurm starts it on what is
+    # there, up to MAX. But a partition's MaxNodes holds the whole range (seen, Slurm 22.05: --nodes=1-2
+    # in a MaxNodes=1 partition pends forever with reason PartitionNodeLimit), so MAX must stay within it.
+    least, key = res.least_nodes, "resources.nodes" if res.min_nodes is None else "resources.min_nodes"
     node_limit = len(part.nodes) if part.max_nodes is None else min(part.max_nodes, len(part.nodes))
-    if res.nodes > node_limit:
-        raise ConfigError("resources.nodes", res.nodes, f"at most {node_limit} in partition {part.name}")
+    if least > node_limit:
+        raise ConfigError(key, least, f"at most {node_limit} in partition {part.name}")
+    if part.max_nodes is not None and res.nodes > part.max_nodes:
+        raise ConfigError(
+            "resources.nodes", res.nodes,
+            f"at most {part.max_nodes} in partition {part.name} (its MaxNodes holds for the most of a --nodes range)",
+        )
     with_gpus = [n for n, (_, gpus) in part.nodes.items() if gpus >= res.gpus_per_node]
-    if len(with_gpus) < res.nodes:
+    if len(with_gpus) < least:
         most = max((gpus for _, gpus in part.nodes.values()), default=0)
         raise ConfigError(
             "resources.gpus_per_node", res.gpus_per_node,
-            f"at most {most} on {res.nodes} node(s) of partition {part.name}",
+            f"at most {most} on {least} node(s) of partition {part.name}",
         )
     cpus_needed = res.ranks_per_node * res.cpus_per_task
     with_cpus = [n for n in with_gpus if part.nodes[n][0] >= cpus_needed]
-    if len(with_cpus) < res.nodes:
+    if len(with_cpus) < least:
         most = max((cpus for cpus, _ in part.nodes.values()), default=0)
         raise ConfigError(
             "resources.cpus_per_task", res.cpus_per_task,

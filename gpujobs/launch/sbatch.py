@@ -16,7 +16,7 @@ from typing import Optional
 
 import jinja2
 
-from gpujobs.config import JobConfig
+from gpujobs.config import JobConfig, ResourcesConfig
 from gpujobs.resources import template_dir
 
 #: sbatch_templates/ (the checkout's or the wheel's copy); GPUJOBS_SBATCH_TEMPLATES points elsewhere.
@@ -37,6 +37,8 @@ class SbatchRequest:
     supervisor: str = ""
     """What the batch step runs the srun line under (`gpujobs.run.supervise`): it records the attempts
     that the ranks could not."""
+    elastic: bool = False
+    """`--nodes=MIN-MAX`: the script says that the world size is the allocation's."""
 
     def __repr__(self) -> str:
         return render_sbatch(self)
@@ -46,12 +48,14 @@ def sbatch_request(job: JobConfig, folder: Path, command: str, *, array: Optiona
     """The request for `job`, whose submitit files live in `folder`, running `command` on every task."""
     cluster, res = job.cluster, job.resources
     log_stem = str(Path(folder) / ("%A_%a" if array else "%j"))
-    flags: list[tuple[str, Optional[str]]] = [
-        ("job-name", job.name),
-        ("nodes", str(res.nodes)),
-        ("ntasks-per-node", str(res.ranks_per_node)),
-        ("cpus-per-task", str(res.cpus_per_task)),
-    ]
+    elastic = res.least_nodes < res.nodes
+    flags: list[tuple[str, Optional[str]]] = [("job-name", job.name), ("nodes", nodes_flag(res))]
+    # Per node, so it holds for any node count of a range; no total (--ntasks) may fix the world size.
+    # An elastic job with one rank per node says nothing: Slurm's default is one task per node, while an
+    # explicit `--ntasks-per-node=1` keeps it at MIN nodes even when MAX are free (seen, Slurm 22.05).
+    if not (elastic and res.ranks_per_node == 1):
+        flags.append(("ntasks-per-node", str(res.ranks_per_node)))
+    flags.append(("cpus-per-task", str(res.cpus_per_task)))
     if res.gpus_per_node:
         flags.append(("gpus-per-node", str(res.gpus_per_node)))
     if res.mem_gb is not None:
@@ -78,7 +82,14 @@ def sbatch_request(job: JobConfig, folder: Path, command: str, *, array: Optiona
         command=command,
         signal_lead_s=cluster.signal_lead_s,
         supervisor=supervisor_command(command),
+        elastic=elastic,
     )
+
+
+def nodes_flag(res: ResourcesConfig) -> str:
+    """`--nodes`' value: `MIN-MAX` for an elastic job (it starts, and restarts after a requeue, on as few
+    as MIN nodes), else the one count."""
+    return f"{res.least_nodes}-{res.nodes}" if res.least_nodes < res.nodes else str(res.nodes)
 
 
 def supervisor_command(command: str) -> str:

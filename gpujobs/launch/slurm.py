@@ -32,7 +32,8 @@ class GpujobsSlurmExecutor(submitit.SlurmExecutor):
         self.job = job
         self.command = command
         self.array = array
-        # submitit itself reads these: task count (results per rank) and time limit (timeouts)
+        # submitit itself reads these: task count (results per rank) and time limit (timeouts). An
+        # elastic job's count is its most: `follow.results` reads only the ranks its last attempt ran.
         self.update_parameters(
             nodes=job.resources.nodes,
             ntasks_per_node=job.resources.ranks_per_node,

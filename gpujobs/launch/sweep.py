@@ -210,14 +210,14 @@ def wait_for(outcomes: list[Outcome]) -> None:
     """
     import submitit
 
-    from gpujobs.launch.follow import failure_line
+    from gpujobs.launch.follow import failure_line, results
 
     pending = [o for o in outcomes if o.handle is not None]
     while pending:
         for outcome in [o for o in pending if o.handle.done()]:
             pending.remove(outcome)
             try:
-                outcome.handle.results()
+                results(outcome.handle, outcome.point.run_dir)
             except (submitit.core.utils.FailedJobError, submitit.core.utils.UncompletedJobError) as err:
                 outcome.code, outcome.error = 1, failure_line(err)
         if pending:

@@ -18,16 +18,20 @@ to import that early.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import subprocess
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
 from typing import Any, Optional
 
-from gpujobs.config import JobConfig
+from gpujobs.config import JobConfig, ResourcesConfig
+from gpujobs.run.jobenv import allocated_world_size
 from gpujobs.rundir.attempts import AttemptLog
 from gpujobs.rundir.records import Attempt
 
@@ -101,20 +105,76 @@ def record_attempt(run_dir: str, job: JobConfig, reason: str, **fields: Any) -> 
     other `Attempt` fields), and requeue on Slurm if so; returns the attempt as recorded.
 
     The line is written before `scontrol requeue`, which ends this job instance; a requeue that still
-    fails after its retries amends that same line, so each attempt keeps exactly one.
+    fails after its retries amends that same line, so each attempt keeps exactly one. A caller that
+    does not say the attempt's world size gets the one its environment gives (on Slurm: the allocation's).
     """
     job_id = slurm_job_id()
+    fields.setdefault("world_size", allocated_world_size())
     ledger = AttemptLog(Path(run_dir))
     attempt = ledger.record(job.cluster, reason, job_id=job_id, **fields)
     log.warning("attempt %d ended: %s; %s", attempt.attempt, reason, attempt.why)
     if attempt.requeue and job_id is not None and job.cluster.name == "slurm":
-        error = requeue(job_id)
+        with _sigterm_ignored():  # the requeue ends this instance: what follows it must not die of that
+            error = requeue(job_id)
+            reopened = reopen_node_range(job_id, job.resources) if error is None else None
         if error is None:
             log.warning("requeued Slurm job %s", job_id)
+            if reopened is not None:  # it runs again, but only once all MAX nodes are free: say so
+                attempt = ledger.amend_last(why=f"{attempt.why}; {reopened}")
+                log.error("attempt %d: %s", attempt.attempt, attempt.why)
         else:
             attempt = ledger.amend_last(requeue=False, why=f"{attempt.why}, but the requeue failed: {error}")
             log.error("attempt %d: %s", attempt.attempt, attempt.why)
     return attempt
+
+
+def reopen_node_range(job_id: str, resources: ResourcesConfig) -> Optional[str]:
+    """An elastic job's requeued instance: give it back its `MIN-MAX` node range; None once done (or
+    for a fixed allocation, which has nothing to reopen), else what went wrong.
+
+    Slurm 22.05 pins a requeued job to the node and task counts of the allocation it just had (seen:
+    `--nodes=1-2 --ntasks-per-node=2` requeued from 2 nodes pends as NumNodes=2 NumTasks=4, reason
+    Resources, while one node is free), and refuses to change them while the job runs; right after the
+    requeue, while it completes, `scontrol update` may (and the job cannot start again before
+    cred_expire has passed, so it never starts pinned). Seen to start it again on 1 node when only one
+    is free, and on 2 when both are: with `NumTasks=MIN*ranks per node`, or, for one rank per node
+    (whose script gives no --ntasks-per-node), with the node range alone (a NumTasks would keep it at MIN).
+    """
+    if resources.least_nodes >= resources.nodes:
+        return None
+    least = resources.least_nodes
+    cmd = ["scontrol", "update", f"JobId={job_id}", f"NumNodes={least}-{resources.nodes}"]
+    if resources.ranks_per_node > 1:
+        cmd.append(f"NumTasks={least * resources.ranks_per_node}")
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return f"the node range could not be reopened ({err}): it waits for {resources.nodes} nodes"
+    if proc.returncode != 0:
+        why = (proc.stderr or proc.stdout).strip() or f"exit code {proc.returncode}"
+        return f"the node range could not be reopened ({why}): it waits for {resources.nodes} nodes"
+    log.warning("requeued Slurm job %s may start on %d to %d nodes", job_id, least, resources.nodes)
+    return None
+
+
+@contextlib.contextmanager
+def _sigterm_ignored() -> Iterator[None]:
+    """SIGTERM ignored here and in the children started meanwhile (an ignored disposition survives exec).
+
+    After `scontrol requeue`, Slurm ends this job instance: SIGTERM to every process of its steps at
+    once, SIGKILL KillWait seconds later. The batch step's supervisor would die of it at once, and an
+    `scontrol` child of any process too, before the node range is reopened. A SIGTERM that comes
+    meanwhile is dropped: it can only mean "end now", which the caller does right after; SIGKILL still
+    follows. Only the main thread may change a handler: elsewhere nothing changes.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
 
 def requeue(job_id: str, tries: int = _REQUEUE_TRIES) -> Optional[str]:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Optional
 
 from gpujobs.run import start
+from gpujobs.run.jobenv import allocated_world_size
 from gpujobs.run.preemption import record_attempt, slurm_job_id
 from gpujobs.rundir.attempts import AttemptLog
 from gpujobs.rundir.files import read_config
@@ -66,7 +67,9 @@ def supervise(run_dir: Path, job_id: str, command: list[str]) -> int:
     what = died(lines)
     error = "; ".join(what) if what else f"srun exited with code {code}"
     why = f"the ranks recorded nothing: {error}"
-    record_attempt(str(train_dir), job, "failed", recorded_by="supervisor", error=why)
+    # SLURM_NTASKS of the batch step: the allocation's ranks (an elastic job's differ between attempts)
+    record_attempt(str(train_dir), job, "failed", recorded_by="supervisor", error=why,
+                   world_size=allocated_world_size())
     return code
 
 
