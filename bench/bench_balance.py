@@ -2,7 +2,7 @@
 
     python bench/bench_balance.py [--steps 300] [--warmup 100] [--rounds 1] [--keep DIR] [overrides...]
 
-Two gloo ranks of the rec job (2048 rows per rank per step) run locally, rank 1 slowed 3x
+Two gloo ranks of the rec job (4096 rows per rank per step) run locally, rank 1 slowed 3x
 (`telemetry.debug_slow_factor=3`: it spends three times its own compute time on every micro-batch, so its
 cost grows with its share the way a slower GPU's does). Each run is the real CLI (`python -m gpujobs.submit`),
 and every figure is read back from its run dir through the typed records (metrics.jsonl, result.json), so
@@ -12,6 +12,9 @@ the bench measures what a user would see:
   settle; the whole run's figure from result.json is shown beside it);
 - the ideal the two ranks' speeds allow: the sum over ranks of 1 / compute time per sample, measured in the
   `off` run, where each rank's compute per sample is clean (equal shares, nothing moved);
+- the same ideal with the part of each step that no split moves added back (the off run's step time less
+  its slowest rank's compute: the gradient all-reduce, the optimizer step, the loop), which is the best
+  any split can reach; the compute-only ideal is the one issue 12 states;
 - both runs' steps, global samples and final AUC.
 
 Acceptance (issue 12): dynamic/off >= 1.6, dynamic/ideal >= 0.85, the same steps and global samples, and
@@ -40,9 +43,10 @@ JOB = (
     "+experiment=rec", "cluster=local", "resources.procs_per_node=2", "resources.gpus_per_node=0",
     f"telemetry.debug_slow_rank={SLOW_RANK}", f"telemetry.debug_slow_factor={SLOW_FACTOR}",
     "trainer.balance_every=10", f"trainer.log_every={LOG_EVERY}", "trainer.progress=false",
-    # 2048 rows per rank (a global batch of 4096): at the rec default of 256 the per-step costs that no split
-    # moves (the gradient all-reduce, the optimizer step) are as large as the compute, and no plan nears the ideal
-    "data.batch_size=2048",
+    # 4096 rows per rank (a global batch of 8192): at the rec default of 256 the per-step costs that no split
+    # moves (the gradient all-reduce, the optimizer step) are as large as the compute, and no plan nears the ideal;
+    # at 2048 they are still a fifth of a step, and a micro-batch's fixed compute shows in the slowed rank's rate
+    "data.batch_size=4096",
     # the timed windows hold training only: no periodic eval or save (the final ones come after them)
     "trainer.eval_every=0", "checkpoint.every_steps=0",
 )
@@ -68,6 +72,9 @@ class Measured:
     compute_s_per_sample: list[float]
     """Each rank's median over the windows after the warm-up."""
     final_shares: list[float]
+    fixed_step_s: float
+    """The part of a step no split moves (all-reduce, optimizer step, loop): the median window's step time
+    less its slowest rank's compute."""
 
 
 def run_job(run_dir: Path, balance: str, steps: int, overrides: list[str]) -> None:
@@ -106,9 +113,15 @@ def measure(run_dir: Path, balance: str, warmup: int) -> Measured:
     world = len(windows[0].compute_s_per_sample)
     compute = [statistics.median(r.compute_s_per_sample[rank] for r in windows) for rank in range(world)]
     assert result.steps is not None and result.samples is not None and result.samples_per_s is not None  # above
+    accum = result.samples / result.steps / sum(windows[0].counts or [1])
+    fixed = statistics.median(
+        statistics.median(r.step_time_s)
+        - max(t * n * accum for t, n in zip(r.compute_s_per_sample, r.counts or [], strict=True))
+        for r in windows
+    )
     return Measured(run_dir, result.steps, result.samples, result.metrics["auc"],
                     statistics.median(r.samples_per_s for r in windows), result.samples_per_s, compute,
-                    plans[-1].shares)
+                    plans[-1].shares, max(0.0, fixed))
 
 
 def ideal_samples_per_s(off: Measured) -> float:
@@ -116,17 +129,26 @@ def ideal_samples_per_s(off: Measured) -> float:
     return sum(1.0 / seconds for seconds in off.compute_s_per_sample)
 
 
+def ideal_with_fixed_step(off: Measured) -> float:
+    """The same ideal with the part of a step that no split moves added back to every step (the best any
+    split can do: only the compute is shared out)."""
+    batch = off.samples / off.steps
+    return batch / (batch / ideal_samples_per_s(off) + off.fixed_step_s)
+
+
 def acceptance(off: list[Measured], dynamic: list[Measured]) -> list[tuple[str, str, bool]]:
     """(line, figure, passed) for each acceptance line of issue 12, over every round."""
     rate_off = statistics.median(m.samples_per_s for m in off)
     rate_dyn = statistics.median(m.samples_per_s for m in dynamic)
     ideal = statistics.median(ideal_samples_per_s(m) for m in off)
+    fixed = statistics.median(ideal_with_fixed_step(m) for m in off)
     auc_diff = max(abs(a.auc - b.auc) for a, b in zip(off, dynamic, strict=True))
     same_steps = all(a.steps == b.steps for a, b in zip(off, dynamic, strict=True))
     same_samples = all(a.samples == b.samples for a, b in zip(off, dynamic, strict=True))
     return [
         (f"dynamic / off >= {MIN_VS_OFF}", f"{rate_dyn / rate_off:.3f}", rate_dyn / rate_off >= MIN_VS_OFF),
         (f"dynamic / ideal >= {MIN_VS_IDEAL}", f"{rate_dyn / ideal:.3f}", rate_dyn / ideal >= MIN_VS_IDEAL),
+        (f"dynamic / ideal+fixed >= {MIN_VS_IDEAL}", f"{rate_dyn / fixed:.3f}", rate_dyn / fixed >= MIN_VS_IDEAL),
         ("same steps", "yes" if same_steps else "no", same_steps),
         ("same global samples", "yes" if same_samples else "no", same_samples),
         (f"|AUC dynamic - off| <= {MAX_AUC_DIFF}", f"{auc_diff:.4f}", auc_diff <= MAX_AUC_DIFF),
@@ -146,7 +168,10 @@ def table(off: list[Measured], dynamic: list[Measured]) -> list[str]:
         lines.append(f"{name:8s} {statistics.median(m.samples_per_s for m in runs):10.0f} "
                      f"{statistics.median(m.whole_run_samples_per_s for m in runs):10.0f} {last.steps:6d} "
                      f"{last.samples:9d} {last.auc:7.4f}  {shares}")
-    lines.append(f"{'ideal':8s} {ideal:10.0f}")
+    lines.append(f"{'ideal':8s} {ideal:10.0f}   (compute only: sum over ranks of 1 / compute per sample)")
+    fixed = statistics.median(ideal_with_fixed_step(m) for m in off)
+    lines.append(f"{'ideal+fixed':8s} {fixed:7.0f}   (with the off run's {off[-1].fixed_step_s * 1e3:.1f} ms per step "
+                 "that no split moves)")
     return lines
 
 

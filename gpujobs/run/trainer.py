@@ -78,12 +78,16 @@ class Trainer:
         cfg = job.trainer
         self.model = task.model.to(device)
         slowed = job.telemetry.debug_slow_rank == info.rank
+        # Compute time is measured where something uses it (dynamic plans, the slow-GPU emulation): its
+        # communication hook costs a Python call per gradient bucket, ~2% of a small model's step.
+        self.timed = cfg.balance == "dynamic" or job.telemetry.debug_slow_factor > 1
         self.clock = ComputeClock(device, job.telemetry.debug_slow_factor if slowed else 1.0)
         self.ddp: torch.nn.Module = self.model
         if dist.is_initialized():
             ids = [device.index] if device.type == "cuda" else None
             self.ddp = DistributedDataParallel(self.model, device_ids=ids)
-            self.clock.install(self.ddp)
+            if self.timed:
+                self.clock.install(self.ddp)
         self.optimizer = build_optimizer(list(self.model.parameters()), job.optim)
         self.scheduler = build_scheduler(self.optimizer, job.optim, cfg.max_steps)
         use_bf16 = cfg.amp == "bf16" or (cfg.amp == "auto" and device.type == "cuda")
@@ -206,7 +210,8 @@ class Trainer:
         start = time.perf_counter()
         for micro, sync in self._micro_steps():
             fetch = time.perf_counter()
-            self.clock.start()
+            if self.timed:
+                self.clock.start()
             if micro == 0:
                 self.telemetry.before_step()
             first = micro * micro_rows + offset
@@ -215,10 +220,13 @@ class Trainer:
             with sync:
                 with self.autocast():
                     # The rank's share of the global batch's mean loss, times the world size that DDP divides by
-                    loss = self.task.loss(self.ddp, batch) * weight
+                    loss = self.task.loss(self.ddp, batch)
+                    if weight != 1.0:
+                        loss = loss * weight
                 times.local_s += time.perf_counter() - fetch
                 loss.backward()
-            self.clock.end()  # after the all-reduce hook already marked it, on a synced micro-batch: no-op
+            if self.timed:
+                self.clock.end()  # after the all-reduce hook already marked it, on a synced micro-batch: no-op
             # summed on the device, read once per log line: no host sync on every step
             times.loss_sum = times.loss_sum + loss.detach()
         if self.job.trainer.grad_clip is not None:
@@ -322,7 +330,7 @@ class Trainer:
     def _log_window(self, times: StepTimes, elapsed: float) -> None:
         """Gather every rank's timing (one small all-gather per log line) and write the record."""
         self._take_compute(times)
-        per_sample = times.compute_s / times.rows if times.rows else 0.0
+        per_sample = times.compute_s / times.rows if times.rows and self.timed else 0.0
         mine = torch.tensor(
             [times.step_s, times.data_s, float(times.loss_sum), times.local_s, per_sample * times.steps]
         ) / times.steps
@@ -337,7 +345,7 @@ class Trainer:
             "step_time_s": [round(float(x), 6) for x in table[:, 0]],
             "data_time_s": [round(float(x), 6) for x in table[:, 1]],
             "local_time_s": [round(float(x), 6) for x in table[:, 3]],
-            "compute_s_per_sample": [round(float(x), 9) for x in table[:, 4]],
+            "compute_s_per_sample": [round(float(x), 9) for x in table[:, 4]] if self.timed else [],
             "counts": list(self.balancer.plan.counts),
             "balance": self.balancer.mode,
         }
