@@ -134,6 +134,11 @@ def _merged_section(key: str, schema: type[Any], values: Any) -> Any:
         values = {}
     if not isinstance(values, dict):
         raise ConfigError(key, values, f"a mapping of {', '.join(f.name for f in dataclasses.fields(schema))}")
+    for name, (hint, _) in _fields(schema).items():
+        value = values.get(name)
+        # OmegaConf takes any integer for a bool (3 -> true): a typo, or a count put in the wrong key
+        if hint in (bool, typing.Optional[bool]) and type(value) is int and value not in (0, 1):
+            raise ConfigError(f"{key}.{name}", value, "true or false (or 1/0)")
     try:
         if schema not in _schemas:  # merge copies it; building it from the dataclass is half the cost
             _schemas[schema] = OmegaConf.structured(schema)

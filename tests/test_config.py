@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -264,3 +265,11 @@ def test_checkpoint_async_is_the_key_users_write_and_read() -> None:
     assert job.to_dict()["checkpoint"]["async"] is True and "async_" not in job.to_dict()["checkpoint"]
     with pytest.raises(ConfigError, match=r"^checkpoint\.async='maybe' is invalid"):
         compose_job("+experiment=rec", "checkpoint.async=maybe")
+
+
+@pytest.mark.parametrize("override", ["checkpoint.async=3", "checkpoint.resume=2", "cluster.wait=-1"])
+def test_an_integer_other_than_0_or_1_is_not_a_bool(override: str) -> None:
+    key, value = override.split("=")
+    with pytest.raises(ConfigError, match=rf"^{re.escape(key)}={value} is invalid: allowed true or false"):
+        compose_job("+experiment=rec", override)
+    assert compose_job("+experiment=rec", f"{key}=1").to_dict()[key.split(".")[0]][key.split(".")[1]] is True
