@@ -17,7 +17,6 @@ Modes (`trainer.balance`):
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -236,6 +235,4 @@ def replay_history(run_dir: str) -> list[dict[str, Any]]:
     balance = marker.get("balance")
     if not isinstance(balance, dict) or not balance.get("history"):
         raise BalanceError(f"{path} records no plan history (was it trained with trainer.balance=dynamic?)")
-    history = balance["history"]
-    json.dumps(history)  # plain values only
-    return [entry for entry in history if isinstance(entry, dict) and "counts" in entry and "step" in entry]
+    return [entry for entry in balance["history"] if isinstance(entry, dict) and "counts" in entry and "step" in entry]
