@@ -5,10 +5,10 @@
 (a) the gpujobs Trainer and (b) a hand-written minimal DDP loop train the same rec model on the same
 data for the same steps with 2 gloo ranks, doing the same math (Adam at a constant learning rate, no
 gradient clipping: the trainer is configured so), so the ratio is the framework's overhead (logging,
-timing, the preemption agreement, checkpoint policy), not the cost of extra features. Rounds alternate
-a, b, a, b… and the median ratio of samples/s is reported (this machine is shared and noisy: only
-ratios mean anything). Then the data pipeline alone (one rank's `train_batch` calls) is timed against
-the trainer's per-rank rate.
+timing, the preemption agreement, checkpoint policy, the hang watchdog's heartbeat), not the cost of
+extra features. Rounds alternate a, b, a, b… and the median ratio of samples/s is reported (this
+machine is shared and noisy: only ratios mean anything). Then the data pipeline alone (one rank's
+`train_batch` calls) is timed against the trainer's per-rank rate.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from gpujobs.config import JobConfig, load_config
 from gpujobs.run.checkpoint import CheckpointManager
 from gpujobs.run.distributed import init_process_group
 from gpujobs.run.entry import load_task_builder
+from gpujobs.run.heartbeat import Heartbeat, interval_for
 from gpujobs.run.jobenv import DistInfo
 from gpujobs.run.metrics import MetricsLog
 from gpujobs.run.rng import seed_everything
@@ -70,9 +71,12 @@ def _rank(rank: int, kind: str, job: JobConfig, port: int, out: Any) -> None:
     if kind == "gpujobs":
         with tempfile.TemporaryDirectory() as tmp:
             checkpoints = CheckpointManager(Path(tmp), 0, 1, rank, world_size=WORLD)
-            trainer = Trainer(job, info, device, task, checkpoints, MetricsLog(None))
+            # the hang watchdog's heartbeat, as a real job runs it (a thread writing its file every second)
+            beat = Heartbeat(Path(tmp), rank, "bench", interval_for(job.trainer.hang_timeout_s or 300)).start()
+            trainer = Trainer(job, info, device, task, checkpoints, MetricsLog(None), heartbeat=beat)
             # the final eval and checkpoint are outside the timed window (samples_per_s excludes them)
             rate = trainer.fit()["samples_per_s"]
+            beat.close()
     else:
         model = DistributedDataParallel(task.model)
         optimizer = torch.optim.Adam(model.parameters(), lr=job.optim.lr)

@@ -8,8 +8,12 @@
 #      gpujobs/run/distributed.py), with bf16 autocast (trainer.amp=auto on CUDA);
 #   2. the telemetry path: gpu.jsonl holds real NVML readings for the GPUs of the run, and the run's
 #      Prometheus endpoint (on 127.0.0.1) is scraped while it runs and serves job and GPU series;
-#   3. the report plots them;
-#   4. bench/bench_gpu.py: samples/s of the gpujobs Trainer against a plain loop on one GPU.
+#   3. the health check at start on the real GPUs: NVML's checks (ECC, retired pages, row remaps,
+#      temperature, throttling) called directly on every GPU, then the run itself with
+#      cluster.health_check=true, whose NVML look and NCCL all-reduce probe must pass and be recorded;
+#   4. the report plots them;
+#   5. the hang watchdog's request for PyTorch's NCCL flight recorder (through its pipe) gets a dump;
+#   6. bench/bench_gpu.py: samples/s of the gpujobs Trainer against a plain loop on one GPU.
 # Without a GPU it stops at once with one line and exit code 3. Usage: bash bench/gpu_check.sh [overrides...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -26,6 +30,20 @@ PY
 python -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' \
   || fail "NVML sees $gpus GPU(s) but torch has no CUDA: install the CUDA build of torch (README)" 3
 ranks=$(( gpus >= 2 ? 2 : 1 ))
+echo "== NVML health checks on every GPU (gpujobs.nvml.gpu_faults)"
+python - <<'PY'
+from gpujobs.nvml import gpu_faults, nvml_session, read_gpu, visible_gpus
+
+with nvml_session() as nv:
+    gpus = visible_gpus(nv)
+    assert gpus, "NVML lists no GPU"
+    for gpu in gpus:
+        faults = gpu_faults(nv, gpu.handle, 90.0)
+        now = read_gpu(nv, gpu.handle)
+        print(f"GPU {gpu.index} ({gpu.uuid}): {now.get('temp_c')} C, throttle {now.get('throttle')}, "
+              f"ECC uncorrected {now.get('ecc_uncorrected', 'not reported')}: {'; '.join(faults) or 'healthy'}")
+        assert not faults, f"GPU {gpu.index} is not healthy, the run below would stop at its health check: {faults}"
+PY
 # A check-only knob (gpujobs/run/distributed.py): one rank joins a process group too, so one GPU runs NCCL.
 export GPUJOBS_FORCE_PROCESS_GROUP=1
 run_dir=$(mktemp -d)/run
@@ -41,6 +59,7 @@ cmd = [sys.executable, "-m", "gpujobs.submit", "+experiment=rec", "cluster=local
        "telemetry.prometheus_port=0", "telemetry.prometheus_addr=127.0.0.1", "telemetry.prometheus_linger_s=3",
        # CUDA paths of balancing and async saves: compute time from CUDA events, a pinned host snapshot
        "trainer.balance=dynamic", "trainer.balance_every=20", "checkpoint.async=true", "checkpoint.every_steps=50",
+       "cluster.health_check=true",  # NVML's look at the GPUs and an NCCL all-reduce probe before step 1
        f"hydra.run.dir={run}", *extra]
 proc = subprocess.Popen(cmd, start_new_session=True)
 deadline, scrape = time.monotonic() + 300, ""
@@ -82,6 +101,15 @@ saves = [r for r in records if r["kind"] == "checkpoint"]
 assert [r["async"] for r in saves].count(True) >= 5 and saves[-1]["async"] is False, saves
 assert result["samples"] == 300 * 256 * ranks and result["saved"].endswith("step_00000300"), result
 assert [r for r in records if r["kind"] == "plan"], "no split plan recorded"
+health = [r for r in records if r["kind"] == "health"]
+assert len(health) == 1 and health[0]["healthy"] is True, health
+checked = f"{ranks} GPU{'s' if ranks > 1 else ''} checked"
+assert len(health[0]["nvml"]) == 1 and health[0]["nvml"][0].endswith(checked), \
+    f"the health check did not look at the run's {ranks} GPU(s) through NVML: {health[0]['nvml']}"
+assert ranks == 1 or health[0]["busbw_gbps"] > 0, health  # one rank: no link, nothing to measure
+attempt = [json.loads(line) for line in (run / "attempts.jsonl").read_text().splitlines()][-1]
+assert attempt["reason"] == "completed" and attempt["health_s"] > 0, attempt
+assert "health: all-reduce bus bandwidth" in logs and checked in logs, "the health check's outcome is not in the logs"
 samples = [json.loads(line) for line in (run / "gpu.jsonl").read_text().splitlines()]
 assert samples, "gpu.jsonl is empty"
 assert {s["rank"] for s in samples} == set(range(ranks)), {s["rank"] for s in samples}
@@ -95,10 +123,43 @@ assert 'gpujobs_step{job="rec"}' in scrape and "gpujobs_gpu_utilization_percent{
     "the Prometheus endpoint did not serve job and GPU series"
 print(f"ok: {len(train)} gathered train records, {len(samples)} GPU samples, "
       f"max util {max(s.get('util_pct', 0) for s in samples)}%, samples/s {result['samples_per_s']}, "
-      f"auc {result['auc']}")
+      f"auc {result['auc']}, health check {health[0]['health_s']} s (bus bandwidth {health[0]['busbw_gbps']} GB/s)")
 PY
 python -m gpujobs.report "$run_dir"
 test -s "$run_dir/report/gpu.png" || fail "report wrote no gpu.png"
+
+echo "== the hang watchdog's NCCL flight recorder: a dump asked for through its pipe"
+# The watchdog asks each NCCL rank for its flight recorder through the pipe TORCH_NCCL_DEBUG_INFO_PIPE_FILE
+# names (gpujobs/run/evidence.py); a hang cannot be staged on one GPU, the request and the dump can.
+python - <<'PY'
+import datetime, os, tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from gpujobs.run import evidence
+from gpujobs.run.distributed import torch_nccl_env
+from gpujobs.schema import JobConfig
+
+run = Path(tempfile.mkdtemp()) / "run"
+(run / "heartbeat").mkdir(parents=True)
+out = run / "hangs" / "1"
+out.mkdir(parents=True)
+os.environ.update(torch_nccl_env(JobConfig(), run))  # the settings every rank gets, defaults
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29533")
+torch.cuda.set_device(0)
+dist.init_process_group("nccl", rank=0, world_size=1, timeout=datetime.timedelta(seconds=60))
+x = torch.ones(1024, device="cuda")
+for _ in range(5):
+    dist.all_reduce(x)
+torch.cuda.synchronize()
+found = evidence.dump_flight_recorder(run, out, [0], wait_s=30)
+dist.destroy_process_group()
+dumps = sorted(p.name for p in out.iterdir())
+assert found == [0] and dumps == ["nccl_trace_rank_0"], (found, dumps, sorted(p.name for p in (run / "heartbeat").iterdir()))
+print(f"ok: flight recorder dump of {(out / dumps[0]).stat().st_size} bytes after 5 NCCL all-reduces")
+PY
 
 echo "== trainer vs plain loop on one GPU"
 python bench/bench_gpu.py --steps 300 --rounds 3

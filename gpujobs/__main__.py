@@ -1,4 +1,4 @@
-"""`python -m gpujobs status|logs|cancel|resubmit DIR`: watch and manage submitted runs and sweeps.
+"""`python -m gpujobs status|logs|cancel|resubmit|cost DIR`: watch and manage submitted runs and sweeps.
 
 DIR is a run dir or a sweep dir (`-m`). Exit codes: 0 done, 1 nothing matched or a command failed,
 2 bad input. `status --watch` and `logs --follow` end once every point is final: Slurm says so or,
@@ -32,7 +32,9 @@ def _parser() -> argparse.ArgumentParser:
     resubmit = commands.add_parser("resubmit", help="queue the failed points again, as one new array")
     resubmit.add_argument("--failed", action="store_true", required=True, help="the failed points (required)")
     resubmit.add_argument("--cancelled", action="store_true", help="also the cancelled points")
-    for sub in (status, logs, cancel, resubmit):
+    cost = commands.add_parser("cost", help="where the GPU-hours went: per point and in total (gpujobs.cost)")
+    cost.add_argument("--json", action="store_true", help="the JSON document instead of the table")
+    for sub in (status, logs, cancel, resubmit, cost):
         sub.add_argument("dir", type=Path, help="a run dir or a sweep dir")
         sub.add_argument("--sacct-timeout", type=float, default=10.0, metavar="S")
     return parser
@@ -98,6 +100,28 @@ def _print_from(path: Path, offset: int, *, whole: bool) -> int:
     return offset + len(chunk)
 
 
+def _cost(args: argparse.Namespace) -> int:
+    import json
+
+    from gpujobs import cost
+
+    costs = cost.cost_of(manage.points_of(args.dir), args.sacct_timeout)
+    if not any(c.segments for c in costs):
+        print(f"gpujobs: nothing to account in {args.dir}: no Slurm job started and no attempt recorded",
+              file=sys.stderr)
+        return 1
+    document = cost.to_json(args.dir, costs)
+    if args.json:
+        print(json.dumps(document, indent=2))
+        return 0
+    from rich.console import Console
+
+    from gpujobs.cost_table import print_cost
+
+    print_cost(document, Console())
+    return 0
+
+
 def _cancel(points: list[manage.PointState]) -> int:
     """Cancel, then say which ids were cancelled, had already ended, or could not be cancelled (exit 1)."""
     outcome = manage.cancel(points)
@@ -118,6 +142,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             return _status(args)
         if args.command == "logs":
             return _logs(args)
+        if args.command == "cost":
+            return _cost(args)
         points = manage.select(manage.points_of(args.dir), getattr(args, "point", None))
         if args.command == "cancel":
             return _cancel(points)

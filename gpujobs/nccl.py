@@ -92,6 +92,9 @@ class NcclSettings(Checked):
     """NCCL_P2P_DISABLE: true disables peer-to-peer between GPUs (for broken PCIe topologies)."""
     async_error_handling: bool = True
     """TORCH_NCCL_ASYNC_ERROR_HANDLING: a failed collective aborts the job instead of hanging it."""
+    flight_recorder_entries: int = field(default=2000, metadata=bounds(ge=0, le=10**6))
+    """TORCH_NCCL_TRACE_BUFFER_SIZE: collectives PyTorch's NCCL flight recorder keeps per rank, dumped into
+    RUN_DIR/hangs/<attempt>/ when the hang watchdog fires (0: no recorder)."""
     extra: dict[str, str] = field(default_factory=dict)
     """Other NCCL_* variables; only names NCCL documents are accepted, on/off ones as 0/1 (true/false ok),
     and none that a typed field above sets."""

@@ -1,8 +1,9 @@
 """NVML, asked carefully: which GPUs a process sees and what one GPU reads now (torch-free).
 
 Both sides use it: the submit side to pick free GPUs for a local run, the job side's per-node sampler
-for gpu.jsonl. Every query is guarded, because drivers and GPU models differ in what they report
-(consumer cards have no ECC counters, some report no power limit): a field NVML cannot give is left out.
+for gpu.jsonl and the health check at start (`gpu_faults`). Every query is guarded, because drivers and
+GPU models differ in what they report (consumer cards have no ECC counters, some report no power
+limit): a field NVML cannot give is left out, and a check it cannot make is passed over.
 """
 
 from __future__ import annotations
@@ -66,7 +67,12 @@ def visible_gpus(nv: Any) -> list[VisibleGpu]:
     NVML numbers GPUs in PCI bus order; numeric CUDA_VISIBLE_DEVICES entries are read as those
     numbers, which is what Slurm and submitit write (and what CUDA uses with CUDA_DEVICE_ORDER=PCI_BUS_ID).
     """
-    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return listed_gpus(nv, os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+def listed_gpus(nv: Any, listed: Optional[str]) -> list[VisibleGpu]:
+    """The GPUs a CUDA_VISIBLE_DEVICES value `listed` names, in its order (see `visible_gpus`); all GPUs
+    for None."""
     entries = (
         [e.strip() for e in listed.split(",") if e.strip()]
         if listed is not None
@@ -96,7 +102,7 @@ def visible_gpus(nv: Any) -> list[VisibleGpu]:
 def _guarded(nv: Any, query: Callable[[], Any]) -> Optional[Any]:
     try:
         return query()
-    except nv.NVMLError:  # NotSupported, NoPermission, ...: leave the field out
+    except (nv.NVMLError, AttributeError):  # NotSupported, NoPermission, a binding too old for it: leave it out
         return None
 
 
@@ -176,3 +182,42 @@ class XidWatcher:
             with suppress(self.nv.NVMLError):
                 self.nv.nvmlEventSetFree(self.events)
             self.events = None
+
+
+#: Throttle reasons that mark a GPU as unfit to start on: the hardware slowing itself down (an
+#: overheating or failing board, a power brake from the chassis) or the driver's thermal protection.
+#: Power caps and application clocks are policy, not faults.
+FAULT_THROTTLES = ("hw_slowdown", "hw_thermal", "hw_power_brake", "sw_thermal")
+
+
+def gpu_faults(nv: Any, handle: Any, max_temp_c: float) -> list[str]:
+    """What is wrong with one GPU now, one short phrase each; [] for a healthy GPU.
+
+    Looks at uncorrectable ECC errors since the driver loaded, retired pages waiting for a reset, row
+    remaps waiting for a reset or failed, the temperature against `max_temp_c`, and the throttle
+    reasons of `FAULT_THROTTLES`. A check this GPU or driver cannot make (NotSupported on a board
+    without ECC, say) finds nothing. XID errors come as events: see `XidWatcher`.
+    """
+    faults = []
+    ecc = _guarded(nv, lambda: nv.nvmlDeviceGetTotalEccErrors(
+        handle, nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nv.NVML_VOLATILE_ECC))
+    if ecc:
+        faults.append(f"{int(ecc)} uncorrectable ECC error{'s' if int(ecc) != 1 else ''}")
+    # NVML_FEATURE_ENABLED (1): pages were retired, and take effect only once the GPU is reset
+    if _guarded(nv, lambda: nv.nvmlDeviceGetRetiredPagesPendingStatus(handle)):
+        faults.append("retired pages pending (the GPU needs a reset)")
+    remapped = _guarded(nv, lambda: nv.nvmlDeviceGetRemappedRows(handle))
+    if remapped is not None:  # (correctable rows, uncorrectable rows, pending, failure occurred)
+        if remapped[3]:
+            faults.append("row remapping failed")
+        elif remapped[2]:
+            faults.append("row remaps pending (the GPU needs a reset)")
+    temp = _guarded(nv, lambda: nv.nvmlDeviceGetTemperature(handle, nv.NVML_TEMPERATURE_GPU))
+    if temp is not None and temp > max_temp_c:
+        faults.append(f"{int(temp)} C, above cluster.health_max_temp_c={max_temp_c:g}")
+    mask = _guarded(nv, lambda: _throttle_mask(nv, handle))
+    if mask is not None:
+        throttled = [name for bit, name in THROTTLE_REASONS.items() if int(mask) & bit and name in FAULT_THROTTLES]
+        if throttled:
+            faults.append(f"throttled ({', '.join(throttled)})")
+    return faults

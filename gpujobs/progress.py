@@ -8,7 +8,15 @@ from typing import Any, Optional, TextIO
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from gpujobs.rundir.records import CheckpointRecord, EvalRecord, MetricsRecord, PlanRecord, TrainRecord, metrics_record
+from gpujobs.rundir.records import (
+    CheckpointRecord,
+    EvalRecord,
+    HealthRecord,
+    MetricsRecord,
+    PlanRecord,
+    TrainRecord,
+    metrics_record,
+)
 
 
 def describe(record: MetricsRecord) -> str:
@@ -21,6 +29,9 @@ def describe(record: MetricsRecord) -> str:
         return f"step {record.step}: plan {record.mode} ({record.reason}) shares {shares}"
     if isinstance(record, CheckpointRecord):
         return f"step {record.step}: checkpoint blocked training {record.blocking_s:.3f} s"
+    if isinstance(record, HealthRecord):
+        bandwidth = f", all-reduce {record.busbw_gbps:.3g} GB/s" if record.busbw_gbps is not None else ""
+        return f"health check {'passed' if record.healthy else 'failed'} in {record.health_s:.2f} s{bandwidth}"
     return f"step {record.step} loss {record.loss:.4f} {record.samples_per_s:.0f} samples/s"
 
 
@@ -49,7 +60,8 @@ class ProgressView:
             self._bar.start()
 
     def update(self, line: dict[str, Any]) -> None:
-        """Take one metrics line (train or eval); any other line (a plan, a checkpoint, not a record) is passed over."""
+        """Take one metrics line (train or eval); any other line (a plan, a checkpoint, a health check, not a
+        record) is passed over."""
         record = metrics_record(line)
         if not self.enabled or not isinstance(record, (TrainRecord, EvalRecord)):
             return

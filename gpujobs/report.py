@@ -21,6 +21,7 @@ from gpujobs.rundir import GPU_FILE, METRICS_FILE
 from gpujobs.rundir.records import (
     CheckpointRecord,
     EvalRecord,
+    HealthRecord,
     MetricsRecord,
     PlanRecord,
     Result,
@@ -190,7 +191,7 @@ def plot(metrics: list[MetricsRecord], gpus: list[dict[str, Any]], out: Path) ->
     if plans:
         timed = [r for r in train if r.compute_s_per_sample]
         fig, axes = plt.subplots(1, 2 if timed else 1, figsize=(10 if timed else 6, 3.8), squeeze=False)
-        end = max(r.step for r in metrics)
+        end = max(r.step for r in metrics if not isinstance(r, HealthRecord))  # a health check has no step
         _plot_shares(axes[0][0], plans, end, balance_mode(metrics))
         if timed:
             ax = axes[0][1]

@@ -35,6 +35,9 @@ SLURM_MAX_SIGNAL_LEAD_S = 65535
 #: years; `time.sleep(9223372036)` fails, torch's TCPStore connect fails at once). Half of that leaves
 #: the clock's own count room.
 MAX_WAIT_S = 2**62 // 10**9
+#: Seconds the hang watchdog needs after `trainer.hang_timeout_s` to notice a hang and take its
+#: evidence: torch's own collective timeout (`trainer.pg_timeout_s`) must leave it that long.
+HANG_EVIDENCE_S = 30
 #: `--mem` is rendered in whole MiB (`--mem=0` would ask for the whole node), and sbatch reads the MiB
 #: count as a signed 64-bit integer.
 _MEM_GB = bounds(ge=1 / 1024, le=2**53, note="GB: at least 1 MiB, as --mem counts whole MiB")
@@ -93,6 +96,19 @@ class ClusterConfig(Checked):
     """Preemption budget: times the job may be preempted (USR2 well before its time limit) and requeued."""
     max_timeouts: int = field(default=5, metadata=bounds(ge=0))
     """Time-limit budget: times the job may hit its time limit (USR2 near it) and be requeued."""
+    max_unhealthy: int = field(default=3, metadata=bounds(ge=0))
+    """Health budget: attempts that a failed health check ended (its node is excluded) before the job gives up."""
+    health_check: bool = False
+    """Before training, check every node's GPUs through NVML (uncorrectable ECC errors, pending retired
+    pages or row remaps, XID events, temperature, thermal or power throttling) and time an all-reduce
+    across the ranks; a failing node ends the attempt as `unhealthy`, is excluded, and the job is requeued."""
+    health_min_busbw_gbps: float = field(default=0.0, metadata=bounds(ge=0, le=1e6))
+    """Health check: the least all-reduce bus bandwidth (GB/s) the probe must reach (0: measured and
+    recorded, never failed)."""
+    health_probe_mb: float = field(default=16.0, metadata=bounds(gt=0, le=4096))
+    """Health check: the size of the probe's all-reduce tensor, in MiB."""
+    health_max_temp_c: float = field(default=90.0, metadata=bounds(gt=0, le=200))
+    """Health check: the hottest a GPU may be at start (degrees C)."""
     folder: str = field(default="submitit", metadata=bounds(pattern=NAME, allowed=NAME_TEXT))
     """Sub-directory of the run dir for submitit's pickles and per-rank logs."""
     dry_run: bool = False
@@ -218,11 +234,19 @@ class TrainerConfig(Checked):
     """Log metrics every N steps."""
     deterministic: bool = True
     """Deterministic kernels, so a seed gives bit-identical parameters."""
-    pg_timeout_s: int = field(default=120, metadata=bounds(ge=1, le=MAX_WAIT_S, note="torch's deadline limit"))
-    """Process-group timeout: a dead rank makes the others fail after this many seconds. At most
+    pg_timeout_s: int = field(default=600, metadata=bounds(ge=1, le=MAX_WAIT_S, note="torch's deadline limit"))
+    """Process-group timeout: a dead rank makes the others fail after this many seconds. With the hang
+    watchdog on, at least `hang_timeout_s` + 30 s, so the watchdog acts (and keeps the evidence) first. At most
     `MAX_WAIT_S` (2**62 ns): torch adds it to a steady clock in signed 64-bit nanoseconds, and past
     2**63 ns the deadline wraps (the TCPStore connect then fails at once, "timed out after ...ms");
     `datetime.timedelta`, which carries it there, would take up to 8.64e13 s."""
+    hang_timeout_s: int = field(default=300, metadata=bounds(ge=0, le=MAX_WAIT_S))
+    """Hang watchdog: an attempt in which no rank changed its step or phase for this many seconds is
+    hung; the supervisor takes every rank's stacks, kills the attempt and restarts it from its last
+    checkpoint (against `cluster.max_restarts`). 0: no watchdog."""
+    hang_slow_phase_s: int = field(default=1800, metadata=bounds(ge=1, le=MAX_WAIT_S))
+    """Hang watchdog: how long ranks may stay in a phase that is slow by nature (start-up, a checkpoint
+    save, an evaluation) before the attempt counts as hung."""
     stop_check_every: int = field(default=10, metadata=bounds(ge=1))
     """Steps between the ranks' agreement on a pending USR2 (a tiny all-reduce); the stop itself loses no step."""
     progress: bool = True
@@ -248,6 +272,13 @@ class TrainerConfig(Checked):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.hang_timeout_s and self.pg_timeout_s < self.hang_timeout_s + HANG_EVIDENCE_S:
+            raise ConfigError(
+                "pg_timeout_s", self.pg_timeout_s,
+                f"at least {self.hang_timeout_s + HANG_EVIDENCE_S} with hang_timeout_s={self.hang_timeout_s} "
+                f"(torch's collective timeout must leave the hang watchdog {HANG_EVIDENCE_S} s to take the "
+                "evidence first), or trainer.hang_timeout_s=0",
+            )
         if self.balance == "replay" and not self.balance_replay:
             raise ConfigError("balance_replay", self.balance_replay, "the run dir of a finished dynamic run")
         if self.balance == "static" and not self.balance_shares and not self.balance_gpu_weights:

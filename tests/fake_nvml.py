@@ -1,95 +1,43 @@
 """A stand-in `pynvml` for tests: this machine has no NVIDIA GPU and no NVML, so there is nothing real to ask.
 
 Only GPU-side facts are faked (what the driver would report); everything above it (the sampler thread,
-gpu.jsonl, picking, the report) runs for real. Install with `install(monkeypatch, gpus)`.
+gpu.jsonl, picking, the report, the health check) runs for real. Install with `install(monkeypatch,
+gpus)`: it reaches this test's process only. For the ranks of a real run (other processes), see
+tests/fake_pynvml/pynvml.py and `fake_nvml_env`.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 import types
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import asdict
+from pathlib import Path
 
 import pytest
+from fake_pynvml.fake_gpus import FakeGpu, namespace
 
+__all__ = ["FAKE_PYNVML_DIR", "FakeGpu", "fake_nvml_env", "install"]
 
-@dataclass
-class FakeGpu:
-    """What one fake GPU reports."""
-
-    util: int = 10
-    used_gb: float = 1.0
-    total_gb: float = 80.0
-    power_limit: bool = True
-    """False: nvmlDeviceGetEnforcedPowerLimit raises NotSupported (as on some boards)."""
-    xids: list[int] = field(default_factory=list)
+#: Put first on PYTHONPATH, it makes `import pynvml` in any process find the file-driven fake.
+FAKE_PYNVML_DIR = Path(__file__).resolve().parent / "fake_pynvml"
 
 
 def install(monkeypatch: pytest.MonkeyPatch, gpus: list[FakeGpu]) -> types.ModuleType:
     """Put a fake `pynvml` reporting `gpus` into sys.modules for this test."""
     nv = types.ModuleType("pynvml")
-
-    class NVMLError(Exception):
-        pass
-
-    class NVMLError_NotSupported(NVMLError):  # pynvml's own spelling
-        pass
-
-    class NVMLError_Timeout(NVMLError):
-        pass
-
-    def not_supported(*_: Any) -> Any:
-        raise NVMLError_NotSupported("Not Supported")
-
-    def handle(i: int) -> int:
-        if not 0 <= i < len(gpus):
-            raise NVMLError("Invalid Argument")
-        return i
-
-    pending = [(i, x) for i, gpu in enumerate(gpus) for x in gpu.xids]
-
-    def wait(_events: Any, _timeout_ms: int) -> Any:
-        if not pending:
-            raise NVMLError_Timeout("Timeout")
-        index, xid = pending.pop(0)
-        return types.SimpleNamespace(device=index, eventData=xid)
-
-    def power_limit(h: int) -> int:
-        if not gpus[h].power_limit:
-            raise NVMLError_NotSupported("Not Supported")
-        return 700_000
-
-    nv.__dict__.update(
-        NVMLError=NVMLError,
-        NVMLError_NotSupported=NVMLError_NotSupported,
-        NVML_TEMPERATURE_GPU=0,
-        NVML_CLOCK_SM=1,
-        NVML_MEMORY_ERROR_TYPE_UNCORRECTED=1,
-        NVML_VOLATILE_ECC=0,
-        nvmlEventTypeXidCriticalError=8,
-        nvmlInit=lambda: None,
-        nvmlShutdown=lambda: None,
-        nvmlDeviceGetCount=lambda: len(gpus),
-        nvmlDeviceGetHandleByIndex=handle,
-        nvmlDeviceGetHandleByUUID=lambda uuid: handle(int(uuid.rsplit("-", 1)[1])),
-        nvmlDeviceGetIndex=lambda h: h,
-        nvmlDeviceGetUUID=lambda h: f"GPU-fake-{h}",
-        nvmlDeviceGetUtilizationRates=lambda h: types.SimpleNamespace(gpu=gpus[h].util, memory=gpus[h].util // 2),
-        nvmlDeviceGetMemoryInfo=lambda h: types.SimpleNamespace(
-            used=int(gpus[h].used_gb * 1e9), total=int(gpus[h].total_gb * 1e9),
-            free=int((gpus[h].total_gb - gpus[h].used_gb) * 1e9),
-        ),
-        nvmlDeviceGetTemperature=lambda h, _kind: 40 + h,
-        nvmlDeviceGetPowerUsage=lambda h: 250_000 + 1000 * h,
-        nvmlDeviceGetEnforcedPowerLimit=power_limit,
-        nvmlDeviceGetClockInfo=lambda h, _kind: 1980,
-        nvmlDeviceGetTotalEccErrors=not_supported,
-        nvmlDeviceGetCurrentClocksEventReasons=lambda h: 0x1 | 0x4,  # idle + sw power cap
-        nvmlEventSetCreate=lambda: object(),
-        nvmlDeviceRegisterEvents=lambda h, kind, events: None,
-        nvmlEventSetWait_v2=wait,
-        nvmlEventSetFree=lambda events: None,
-    )
+    nv.__dict__.update(namespace(gpus))
     monkeypatch.setitem(sys.modules, "pynvml", nv)
     return nv
+
+
+def fake_nvml_env(
+    spec_file: Path, gpus: list[FakeGpu], nodes: dict[str, list[FakeGpu]] | None = None
+) -> dict[str, str]:
+    """The environment that makes every process of a real run (submit side, ranks) see these GPUs:
+    `gpus` on any node, `nodes[name]` on the node named so (SLURMD_NODENAME). Writes `spec_file`."""
+    spec = {"gpus": [asdict(g) for g in gpus], "nodes": {n: [asdict(g) for g in gs] for n, gs in (nodes or {}).items()}}
+    spec_file.write_text(json.dumps(spec))
+    path = os.pathsep.join(p for p in (str(FAKE_PYNVML_DIR), os.environ.get("PYTHONPATH", "")) if p)
+    return {"GPUJOBS_FAKE_NVML": str(spec_file), "PYTHONPATH": path}

@@ -37,7 +37,8 @@ class RunningJob:
         metrics = self.run_dir / "metrics.jsonl"
         while time.monotonic() < deadline:
             if metrics.exists():
-                steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines() if line.endswith("}")]
+                lines = [json.loads(line) for line in metrics.read_text().splitlines() if line.endswith("}")]
+                steps = [line["step"] for line in lines if isinstance(line.get("step"), int)]
                 if steps and max(steps) >= step:
                     return max(steps)
             if self.proc.poll() is not None:
@@ -80,3 +81,21 @@ class RunningJob:
 def attempts(run_dir: Path) -> list[dict[str, Any]]:
     """The run's attempts.jsonl."""
     return [json.loads(line) for line in (run_dir / "attempts.jsonl").read_text().splitlines()]
+
+
+def slurm_rank_pids(job_id: str) -> dict[int, int]:
+    """rank → pid of the job's ranks (`python -m gpujobs.run.start`; this cluster's nodes are this machine)."""
+    ranks = {}
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            args = (proc / "cmdline").read_bytes().split(b"\0")
+            # a rank runs `python -u -m gpujobs.run.start`; the supervisor names it only after its own module
+            module = args[args.index(b"-m") + 1] if b"-m" in args else b""
+            if not (Path(args[0].decode()).name.startswith("python") and module == b"gpujobs.run.start"):
+                continue
+            environ = dict(item.split(b"=", 1) for item in (proc / "environ").read_bytes().split(b"\0") if b"=" in item)
+        except (OSError, IndexError, UnicodeDecodeError):
+            continue
+        if environ.get(b"SLURM_JOB_ID") == job_id.encode() and b"SLURM_PROCID" in environ:
+            ranks[int(environ[b"SLURM_PROCID"])] = int(proc.name)
+    return ranks

@@ -63,7 +63,8 @@ def test_killed_rank_restarts_from_the_checkpoint(tmp_path: Path, straight_diges
 
 def test_dead_rank_does_not_hang_the_others(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    job = RunningJob(run_dir, *SLOW, "trainer.pg_timeout_s=20")
+    # torch's own timeout, not the hang watchdog (which needs pg_timeout_s >= hang_timeout_s + 30)
+    job = RunningJob(run_dir, *SLOW, "trainer.pg_timeout_s=20", "trainer.hang_timeout_s=0")
     job.wait_for_step(10)
     killed = time.monotonic()
     job.signal_rank(1, signal.SIGKILL)

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 from conftest import read_result, sacct_state, slurm_job_id, submit
-from jobctl import RunningJob, attempts
+from jobctl import RunningJob, attempts, slurm_rank_pids
 
 pytestmark = pytest.mark.slurm
 
@@ -32,24 +32,6 @@ def reference_digest(tmp_path_factory: pytest.TempPathFactory) -> str:
     proc = submit(run_dir, *MODEL, "cluster=local")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return str(read_result(run_dir)["param_digest"])
-
-
-def slurm_rank_pids(job_id: str) -> dict[int, int]:
-    """rank → pid of the job's ranks (`python -m gpujobs.run.start`; this cluster's nodes are this machine)."""
-    ranks = {}
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            args = (proc / "cmdline").read_bytes().split(b"\0")
-            # a rank runs `python -u -m gpujobs.run.start`; the supervisor names it only after its own module
-            module = args[args.index(b"-m") + 1] if b"-m" in args else b""
-            if not (Path(args[0].decode()).name.startswith("python") and module == b"gpujobs.run.start"):
-                continue
-            environ = dict(item.split(b"=", 1) for item in (proc / "environ").read_bytes().split(b"\0") if b"=" in item)
-        except (OSError, IndexError, UnicodeDecodeError):
-            continue
-        if environ.get(b"SLURM_JOB_ID") == job_id.encode() and b"SLURM_PROCID" in environ:
-            ranks[int(environ[b"SLURM_PROCID"])] = int(proc.name)
-    return ranks
 
 
 def catches(pid: int, signum: int) -> bool:

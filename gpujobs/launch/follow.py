@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Optional
 
@@ -66,13 +66,18 @@ class JobFollower:
         for record in self.metrics.poll():
             self.view.update(record)
 
-    def follow(self, sjob: Any) -> Optional[str]:
-        """Show progress until `sjob` ends; None when every rank succeeded, else the failure's last line."""
+    def follow(self, sjob: Any, tick: Optional[Callable[[], object]] = None) -> Optional[str]:
+        """Show progress until `sjob` ends; None when every rank succeeded, else the failure's last line.
+
+        `tick` (the hang watchdog's) is called at every poll while the job runs.
+        """
         import submitit
 
         try:
             while not sjob.done():
                 self._show_new()
+                if tick is not None:
+                    tick()
                 time.sleep(_POLL_S)
             self._show_new()
             results(sjob, self.run_dir)

@@ -7,13 +7,17 @@ checkpoint after a failure, up to `cluster.max_restarts` times.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import socket
 from pathlib import Path
+from typing import Any
 
 from gpujobs.config import JobConfig
 from gpujobs.errors import ConfigError
 from gpujobs.launch.follow import JobFollower
+from gpujobs.run.evidence import descendants, kill_tree
+from gpujobs.run.hangs import HangReport, Watchdog
 from gpujobs.run.payload import FromRunDir
 from gpujobs.rundir.attempts import AttemptLog, Decision
 
@@ -72,16 +76,41 @@ def run_local(job: JobConfig, run_dir: Path) -> int:
                 f"{backend}{f' on GPUs {gpus}' if gpus else ''}, run dir {run_dir}",
                 flush=True,
             )
-            error = follower.follow(sjob)
+            watchdog = Watchdog.for_job(run_dir, job, res.ranks_per_node, f"local:{sjob.job_id}", before + 1,
+                                        kill=functools.partial(_kill_local_job, sjob))
+            error = follower.follow(sjob, tick=watchdog.tick if watchdog else None)
             if error is None:
                 return 0
-            reason, decision, error = _judge_attempt(job, attempts, before, error)
+            if watchdog is not None and watchdog.report is not None:
+                reason, decision, error = _record_hang(job, attempts, before, watchdog.report)
+            else:
+                reason, decision, error = _judge_attempt(job, attempts, before, error)
             if not decision.requeue:
                 print(f"gpujobs: job ended: {reason}, {decision.why}; last error: {error}")
                 print(f"gpujobs: per-rank logs in {executor.folder}")
                 return 1
             print(f"gpujobs: attempt {number} {reason} ({decision.why}); restarting from the last checkpoint")
     raise AssertionError("unreachable")
+
+
+def _kill_local_job(sjob: Any) -> None:
+    """SIGKILL every process of the local job (its controller, the ranks and anything they started)."""
+    controller = int(sjob.job_id)
+    left = kill_tree([*descendants(controller), controller])
+    if left:
+        print(f"gpujobs: processes {left} of local job {sjob.job_id} outlived SIGKILL", flush=True)
+
+
+def _record_hang(job: JobConfig, attempts: AttemptLog, before: int, report: HangReport) -> tuple[str, Decision, str]:
+    """The watchdog killed the attempt: the launcher records it as `hung` (nobody else could)."""
+    fields = report.attempt_fields()
+    if len(attempts.read()) > before:  # rank 0 recorded the attempt just before it was killed: keep its line
+        last = attempts.read()[-1]
+        return last.reason, Decision(last.requeue, last.why), last.error or fields["error"]
+    recorded = attempts.record(job.cluster, "hung", recorded_by="launcher", world_size=job.resources.ranks_per_node,
+                               **fields)
+    print(f"gpujobs: {fields['error']}; stacks in {report.evidence_dir}", flush=True)
+    return "hung", Decision(recorded.requeue, recorded.why), fields["error"]
 
 
 def _judge_attempt(job: JobConfig, attempts: AttemptLog, before: int, error: str) -> tuple[str, Decision, str]:

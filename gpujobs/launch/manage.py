@@ -9,6 +9,7 @@ torn or garbage line in any of them is skipped, never fatal.
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 from dataclasses import dataclass, field
@@ -115,19 +116,28 @@ def sacct_state_of(job_id: str, states: dict[str, str]) -> Optional[str]:
 
 def sacct_states(job_ids: list[str], timeout_s: float) -> dict[str, str]:
     """States of every job in one `sacct` call. Raises SlurmCommandError when sacct fails or is too slow."""
+    return parse_sacct(run_sacct(["-X", "-n", "-P", "-o", "JobID,State"], job_ids, timeout_s))
+
+
+def run_sacct(options: list[str], job_ids: list[str], timeout_s: float, env: Optional[dict[str, str]] = None) -> str:
+    """One `sacct OPTIONS -j ...` call over the jobs of `job_ids` (an array task's whole array); its
+    output ("" without ids). `env` is added to this process's. Raises SlurmCommandError when sacct
+    fails or is too slow."""
     mains = sorted({job_id.split("_")[0] for job_id in job_ids})
     if not mains:
-        return {}
-    cmd = ["sacct", "-X", "-n", "-P", "-o", "JobID,State", "-j", ",".join(mains)]
+        return ""
+    cmd = ["sacct", *options, "-j", ",".join(mains)]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False,
+                              env={**os.environ, **env} if env else None)
     except subprocess.TimeoutExpired:
         raise SlurmCommandError(f"sacct did not answer within {timeout_s:g} s") from None
     except OSError as err:
         raise SlurmCommandError(f"sacct could not run: {err}") from None
     if proc.returncode != 0:
-        raise SlurmCommandError(f"sacct failed: {(proc.stderr or proc.stdout).strip() or proc.returncode}")
-    return parse_sacct(proc.stdout)
+        said = (proc.stderr or proc.stdout).strip().splitlines()  # its last line says why ("fatal: ...")
+        raise SlurmCommandError(f"sacct failed: {said[-1] if said else proc.returncode}")
+    return proc.stdout
 
 
 def state_from_files(point: PointState) -> tuple[str, bool]:
@@ -192,6 +202,15 @@ def attempts_text(run_dir: Path) -> str:
     return text if set(sizes) == {"?"} else f"{text} world {'→'.join(sizes)}"
 
 
+def excluded_nodes(run_dir: Path) -> list[str]:
+    """The nodes the run's current Slurm job excludes after hangs or failed health checks (with
+    `cluster.exclude`): the last list its attempts recorded. An earlier job's list does not carry over."""
+    attempts = AttemptLog(run_dir).read()
+    current = attempts[-1].job_id if attempts else None
+    lists = [a.excluded for a in attempts if a.excluded and a.job_id == current]
+    return lists[-1] if lists else []
+
+
 def world_size_now(run_dir: Path) -> str:
     """The run's world size: the result's once it has one, else that of the attempt whose training
     records came last (the one running, or the last that ran: the ranks of its last logged window),
@@ -212,7 +231,13 @@ def status_table(points: list[PointState]) -> Any:
 
     # Only what tells the points apart: overrides every point shares go in the title.
     shared = set.intersection(*(set(p.overrides) for p in points)) if len(points) > 1 else set()
-    table = Table(title=" ".join(o for o in points[0].overrides if o in shared) or None)
+    # below the table, not a column: a node list would squeeze every other column of an 80-column table
+    excluded = [(p, nodes) for p in points if (nodes := excluded_nodes(p.run_dir))]
+    caption = "; ".join(
+        f"{'' if p.num is None else f'#{p.num} '}{', '.join(nodes)}" for p, nodes in excluded
+    )
+    table = Table(title=" ".join(o for o in points[0].overrides if o in shared) or None,
+                  caption=f"excluded nodes: {caption}" if caption else None, caption_justify="left")
     for column in ("point", "overrides", "job id", "state", "world", "attempts", "step", "metric"):
         table.add_column(column, overflow="fold")
     for point in points:

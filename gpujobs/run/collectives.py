@@ -61,6 +61,17 @@ def all_true(flag: bool, group: Optional[dist.ProcessGroup] = None) -> bool:
     return bool(_reduce(torch.tensor([int(flag)], dtype=torch.int32), dist.ReduceOp.MIN, group).item())
 
 
+def sum_in_place(tensor: torch.Tensor) -> None:
+    """Sum a large `tensor` over the ranks, in place on its own device (the health check's bandwidth
+    probe times exactly this: a copy to another device would be timed with it). The group must serve
+    that device type (a CUDA tensor: NCCL; a CPU tensor: gloo)."""
+    if not active():
+        return
+    if tensor.device.type not in served_device_types():
+        raise ValueError(f"the process group serves {sorted(served_device_types())} tensors, not {tensor.device.type}")
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+
+
 def all_gather_rows(row: torch.Tensor) -> torch.Tensor:
     """Every rank's 1-D `row`, stacked in rank order on the CPU (shape: world size x len(row))."""
     if not active():

@@ -6,13 +6,16 @@ import datetime
 import gc
 import os
 import time
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
+from gpujobs.config import JobConfig
 from gpujobs.nccl import NcclSettings
 from gpujobs.run import collectives
+from gpujobs.run.evidence import nccl_debug_env
 from gpujobs.run.jobenv import DistInfo, export_torchrun_env
 
 
@@ -39,6 +42,21 @@ def backend_for(cuda: bool) -> str:
     on a device the group serves, so a CUDA-only group (a user's `nccl`) works too.
     """
     return "cpu:gloo,cuda:nccl" if cuda else "gloo"
+
+
+def torch_nccl_env(job: JobConfig, run_dir: Path) -> dict[str, str]:
+    """PyTorch's NCCL watchdog settings, from the same config as the hang watchdog's.
+
+    The flight recorder keeps `nccl.flight_recorder_entries` collectives and dumps them on NCCL's own
+    timeout or when the hang watchdog asks (`gpujobs.run.evidence`). NCCL's heartbeat monitor, which
+    ends a process whose NCCL watchdog thread is itself stuck (an abort that hangs), waits as long as
+    the collective timeout: both come after `trainer.hang_timeout_s` + 30 s (the schema checks it), so
+    the hang watchdog takes its evidence first. Harmless on gloo, which reads none of them.
+    """
+    env = nccl_debug_env(run_dir, job.nccl.flight_recorder_entries)
+    env["TORCH_NCCL_ENABLE_MONITORING"] = "1"
+    env["TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"] = str(job.trainer.pg_timeout_s)
+    return env
 
 
 def init_process_group(info: DistInfo, nccl: NcclSettings, timeout_s: int) -> Optional[str]:

@@ -53,11 +53,22 @@ class TrainJob:
         attempt = _Attempt(self.job, self.run_dir, info.is_main, started)
         with contextlib.ExitStack() as cleanup:
             cleanup.callback(watcher.uninstall)
+            attempt.beat = self._heartbeat(info)
+            cleanup.callback(attempt.beat.close)
             try:
                 return self._run(info, watcher, attempt, cleanup)
             except Exception as err:  # everything from the process group on is inside the recorded attempt
                 attempt.failed(err)
                 raise
+
+    def _heartbeat(self, info: Any) -> Any:
+        """This rank's heartbeat for the supervisor's hang watchdog (none in-process or with the watchdog off)."""
+        from gpujobs.run.heartbeat import Heartbeat, NoBeat, interval_for
+
+        hang_timeout_s = self.job.trainer.hang_timeout_s
+        if not hang_timeout_s or self.job.cluster.name == "debug":
+            return NoBeat()
+        return Heartbeat(Path(self.run_dir), info.rank, info.node, interval_for(hang_timeout_s)).start()
 
     def _run(self, info: Any, watcher: Any, attempt: _Attempt, cleanup: contextlib.ExitStack) -> dict[str, Any]:
         import torch
@@ -76,6 +87,7 @@ class TrainJob:
         if job.trainer.deterministic:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True, warn_only=True)
+        os.environ.update(distributed.torch_nccl_env(job, run_dir))  # the flight recorder and NCCL's monitor
         backend = distributed.init_process_group(info, job.nccl, job.trainer.pg_timeout_s)
         cleanup.callback(distributed.destroy_process_group)
         cleanup.callback(attempt.drop)  # first: no DDP wrapper may outlive the process group
@@ -90,6 +102,12 @@ class TrainJob:
         ranks = distributed.gather_ranks(info)
         metrics = MetricsLog(run_dir / METRICS_FILE if info.is_main else None)
         cleanup.callback(metrics.close)
+        health_s = None
+        if job.cluster.health_check:  # before telemetry's NVML, the task and any restore: a sick node costs seconds
+            from gpujobs.run import health
+
+            # an unhealthy node: rank 0 records the attempt, every rank exits as a preempted one does
+            health_s = health.gate(job, self.run_dir, info, device, ranks, metrics, attempt.started)
         view = ProgressView(job.trainer.max_steps, job.name, enabled=self.show_progress and info.is_main)
         cleanup.callback(view.close)
         telemetry = Telemetry.start(job, info, ranks, device.type == "cuda", run_dir)
@@ -106,14 +124,16 @@ class TrainJob:
         cleanup.callback(checkpoints.close)
         attempt.trainer = Trainer(
             job, info, device, attempt.task, checkpoints, metrics,
-            on_step=lambda _, r: view.update(r), telemetry=telemetry, preemption=watcher,
+            on_step=lambda _, r: view.update(r), telemetry=telemetry, preemption=watcher, heartbeat=attempt.beat,
         )
         result = attempt.trainer.fit()
+        attempt.beat.phase = "done"  # what follows (a Prometheus linger, the teardown) is no hang
         result["ranks"] = ranks
         line = {
             "start": round(attempt.started, 3), "start_step": result["start_step"], "steps_done": result["steps"],
             "resumed_from": result["resumed_from"], "saved": result["saved"],
             "resume_skipped": result["resume_skipped"], "world_size": info.world_size,
+            "trained_from": attempt.trainer.trained_from, "health_s": None if health_s is None else round(health_s, 3),
         }
         if result["status"] == "preempted":
             reason = classify_stop(job, attempt.started, watcher.flagged_at)
@@ -137,6 +157,8 @@ class _Attempt:
     started: float
     trainer: Any = None
     task: Any = None
+    beat: Any = None
+    """This rank's heartbeat (`gpujobs.run.heartbeat`)."""
 
     def failed(self, err: Exception) -> None:
         """Rank 0: record the failed attempt (and requeue, if its budget allows)."""
@@ -148,7 +170,7 @@ class _Attempt:
         trainer = self.trainer
         progress = {} if trainer is None else {
             "steps_done": trainer.step, "resumed_from": trainer.resumed_from, "resume_skipped": trainer.resume_skipped,
-            "world_size": trainer.info.world_size,
+            "world_size": trainer.info.world_size, "trained_from": trainer.trained_from,
         }
         error = f"{type(err).__name__}: {message[0] if message else ''}"
         try:

@@ -31,9 +31,10 @@ from types import FrameType
 from typing import Any, Optional
 
 from gpujobs.config import JobConfig, ResourcesConfig
+from gpujobs.run import quarantine
 from gpujobs.run.jobenv import allocated_world_size
-from gpujobs.rundir.attempts import AttemptLog
-from gpujobs.rundir.records import Attempt
+from gpujobs.rundir.attempts import AttemptLog, RequeuePolicy
+from gpujobs.rundir.records import NODE_FAULTS, Attempt
 
 log = logging.getLogger(__name__)
 
@@ -107,25 +108,72 @@ def record_attempt(run_dir: str, job: JobConfig, reason: str, **fields: Any) -> 
     The line is written before `scontrol requeue`, which ends this job instance; a requeue that still
     fails after its retries amends that same line, so each attempt keeps exactly one. A caller that
     does not say the attempt's world size gets the one its environment gives (on Slurm: the allocation's).
+
+    An attempt that blames a node (a reason in `NODE_FAULTS`, with `node`) and goes again on Slurm
+    excludes that node from the requeued job (`quarantine`), recorded as `excluded` (the whole list); when
+    the job would no longer fit its partition without it, the job is not requeued, and the line says why.
     """
     job_id = slurm_job_id()
     fields.setdefault("world_size", allocated_world_size())
     ledger = AttemptLog(Path(run_dir))
+    slurm_job = job_id if job.cluster.name == "slurm" else None  # local runs record the node, exclude nothing
+    exclusion: Optional[quarantine.Exclusion] = None
+    notes: list[str] = []  # said in the line's why once the requeue is done
+    node = fields.get("node")
+    goes_again = RequeuePolicy.of(job.cluster).decide(ledger.read(), reason).requeue
+    if slurm_job is not None and reason in NODE_FAULTS and node and goes_again:
+        exclusion, problem = _plan_exclusion(ledger, job, slurm_job, reason, str(node))
+        if problem is not None:
+            notes.append(problem)
+        if exclusion is not None and exclusion.refused is None:
+            fields.setdefault("excluded", exclusion.excluded)
     attempt = ledger.record(job.cluster, reason, job_id=job_id, **fields)
     log.warning("attempt %d ended: %s; %s", attempt.attempt, reason, attempt.why)
-    if attempt.requeue and job_id is not None and job.cluster.name == "slurm":
+    if attempt.requeue and exclusion is not None and exclusion.refused is not None:
+        attempt = ledger.amend_last(requeue=False, why=f"not requeued: {exclusion.refused}")
+        log.error("attempt %d: %s", attempt.attempt, attempt.why)
+        return attempt
+    if attempt.requeue and slurm_job is not None:
+        changes: dict[str, Any] = {}
         with _sigterm_ignored():  # the requeue ends this instance: what follows it must not die of that
-            error = requeue(job_id)
-            reopened = reopen_node_range(job_id, job.resources) if error is None else None
+            error = requeue(slurm_job)
+            if error is None and exclusion is not None:  # only now: Slurm refuses it while the job runs
+                failed = quarantine.exclude(slurm_job, exclusion.excluded)
+                if failed is not None:
+                    notes.append(f"{node} could not be excluded ({failed}): the job may run there again")
+                    changes["excluded"] = [n for n in exclusion.excluded if n != node]
+            reopened = reopen_node_range(slurm_job, job.resources) if error is None else None
         if error is None:
-            log.warning("requeued Slurm job %s", job_id)
+            log.warning("requeued Slurm job %s%s", slurm_job,
+                        f" without {', '.join(attempt.excluded)}" if attempt.excluded and not changes else "")
             if reopened is not None:  # it runs again, but only once all MAX nodes are free: say so
-                attempt = ledger.amend_last(why=f"{attempt.why}; {reopened}")
+                notes.append(reopened)
+            if notes or changes:
+                attempt = ledger.amend_last(why="; ".join([attempt.why, *notes]), **changes)
                 log.error("attempt %d: %s", attempt.attempt, attempt.why)
         else:
-            attempt = ledger.amend_last(requeue=False, why=f"{attempt.why}, but the requeue failed: {error}")
+            attempt = ledger.amend_last(requeue=False, excluded=[],
+                                        why=f"{attempt.why}, but the requeue failed: {error}")
             log.error("attempt %d: %s", attempt.attempt, attempt.why)
     return attempt
+
+
+def _plan_exclusion(
+    ledger: AttemptLog, job: JobConfig, job_id: str, reason: str, node: str
+) -> tuple[Optional[quarantine.Exclusion], Optional[str]]:
+    """Slurm job `job_id`'s exclusion of `node`, on top of `cluster.exclude` and what its earlier
+    attempts excluded; or, where Slurm cannot say what the partition holds, why `node` stays in."""
+    partition = os.environ.get("SLURM_JOB_PARTITION") or job.cluster.partition
+    earlier = [name for line in ledger.read() if line.job_id == job_id for name in line.excluded]
+    try:
+        configured = quarantine.expand_hostlist(job.cluster.exclude)
+        if partition is None:
+            raise quarantine.SlurmQueryError("the job's partition is not known (no SLURM_JOB_PARTITION)")
+        nodes = quarantine.partition_nodes(partition)
+    except quarantine.SlurmQueryError as err:
+        log.error("%s is not excluded: %s", node, err)
+        return None, f"{node} not excluded ({err})"
+    return quarantine.plan(node, reason, partition, nodes, [*configured, *earlier], job.resources.least_nodes), None
 
 
 def reopen_node_range(job_id: str, resources: ResourcesConfig) -> Optional[str]:

@@ -7,6 +7,12 @@ recorded as `failed`, naming the ranks that `srun` says died, and the failure bu
 any attempt, whether the job is requeued. It also holds the run dir's lease: a duplicate job (a hand-run
 `sbatch` of a running run dir) stands down before any rank starts.
 
+It also runs the hang watchdog (`gpujobs.run.hangs`) beside the step: once no rank made progress for
+`trainer.hang_timeout_s`, it takes every rank's stacks (py-spy on this node, SIGUSR1 through
+`scancel --signal` elsewhere), kills the step (`scancel --signal=KILL JOB.STEP`: Slurm kills every
+process of it, on every node), and records the attempt as `hung`, naming the culprit's rank and node:
+the node is excluded from the requeued attempt.
+
 Torch-free and quick to start: it only reads the run dir and waits.
 """
 
@@ -17,14 +23,20 @@ import re
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Optional
 
 from gpujobs.run import start
+from gpujobs.run.hangs import Watchdog
+from gpujobs.run.heartbeat import STACKS_SIGNAL, instance
 from gpujobs.run.jobenv import allocated_world_size
 from gpujobs.run.preemption import record_attempt, slurm_job_id
 from gpujobs.rundir.attempts import AttemptLog
 from gpujobs.rundir.files import read_config
+
+_WATCH_S = 0.5
 
 # "srun: error: node1: task 0: Killed", "srun: error: node2: tasks 1-3: Exited with exit code 1"
 _TASK_LINE = re.compile(r"srun: error: (?P<node>[^:]+): tasks? (?P<tasks>[0-9,\-]+): (?P<what>.+)$")
@@ -42,16 +54,61 @@ def died(srun_lines: list[str]) -> list[str]:
     return found
 
 
-def run_step(command: list[str]) -> tuple[int, list[str]]:
-    """Run the srun step, passing its stderr through; returns its exit code and its stderr lines."""
+def run_step(command: list[str], watchdog: Optional[Watchdog] = None) -> tuple[int, list[str]]:
+    """Run the srun step, passing its stderr through, with `watchdog` ticking beside it; returns the
+    step's exit code and its stderr lines."""
     proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, errors="replace")
     assert proc.stderr is not None
+    if watchdog is not None:
+        threading.Thread(target=_watch, args=(proc, watchdog), name="gpujobs-watchdog", daemon=True).start()
     lines = []
     for line in proc.stderr:
         sys.stderr.write(line)
         sys.stderr.flush()
         lines.append(line)
     return proc.wait(), lines
+
+
+def _watch(proc: subprocess.Popen[str], watchdog: Watchdog) -> None:
+    """Tick the watchdog until the step ends or the watchdog killed it."""
+    while proc.poll() is None:
+        try:
+            if watchdog.tick():
+                return
+        except Exception as err:  # the watchdog must never take the supervisor down
+            print(f"gpujobs: the hang watchdog failed: {err!r}", file=sys.stderr, flush=True)
+            return
+        time.sleep(_WATCH_S)
+
+
+def _scancel(*args: str) -> Optional[str]:
+    """`scancel ARGS JOB.STEP` for every job step of this job (not the batch step: that is us); None once
+    done, else what went wrong."""
+    job = os.environ.get("SLURM_JOB_ID", "")
+    try:
+        listed = subprocess.run(["squeue", "-h", "-s", "-j", job, "-o", "%i"], capture_output=True, text=True,
+                                timeout=30, check=False)
+        steps = [s for s in listed.stdout.split() if s.rpartition(".")[2].isdigit()]
+        if not steps:
+            return f"no job step of {job} to signal ({listed.stderr.strip() or 'squeue listed none'})"
+        done = subprocess.run(["scancel", *args, *steps], capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return str(err)
+    return None if done.returncode == 0 else (done.stderr.strip() or f"scancel exited with {done.returncode}")
+
+
+def ask_stacks() -> None:
+    """SIGUSR1 to every rank of the job's steps: each writes its stacks (faulthandler)."""
+    error = _scancel(f"--signal={STACKS_SIGNAL.name.removeprefix('SIG')}")
+    if error is not None:
+        print(f"gpujobs: could not ask the ranks for their stacks: {error}", file=sys.stderr, flush=True)
+
+
+def kill_steps() -> None:
+    """SIGKILL every process of the job's steps, on every node (Slurm tracks them; a stopped one dies too)."""
+    error = _scancel("--signal=KILL")
+    if error is not None:
+        print(f"gpujobs: could not kill the hung step: {error}", file=sys.stderr, flush=True)
 
 
 def supervise(run_dir: Path, job_id: str, command: list[str]) -> int:
@@ -61,9 +118,18 @@ def supervise(run_dir: Path, job_id: str, command: list[str]) -> int:
     start.stand_down_unless_ours(train_dir, job_id)
     ledger = AttemptLog(train_dir)
     before = len(ledger.read())
-    code, lines = run_step(command)
-    if len(ledger.read()) > before or code == 0:
+    world = allocated_world_size()
+    watchdog = Watchdog.for_job(train_dir, job, world or job.resources.world_size, instance(), before + 1,
+                                kill=kill_steps, signal_remote=ask_stacks)
+    code, lines = run_step(command, watchdog)
+    if len(ledger.read()) > before:
         return code  # rank 0 recorded the attempt (and requeued the job if it may go again)
+    if watchdog is not None and watchdog.report is not None:
+        record_attempt(str(train_dir), job, "hung", recorded_by="supervisor", world_size=world,
+                       **watchdog.report.attempt_fields())
+        return code
+    if code == 0:
+        return code
     what = died(lines)
     error = "; ".join(what) if what else f"srun exited with code {code}"
     why = f"the ranks recorded nothing: {error}"

@@ -18,6 +18,7 @@ from gpujobs.run import collectives
 from gpujobs.run.balance import Balancer, replay_history
 from gpujobs.run.checkpoint import CheckpointManager
 from gpujobs.run.compute_clock import ComputeClock
+from gpujobs.run.heartbeat import NoBeat
 from gpujobs.run.jobenv import DistInfo
 from gpujobs.run.metrics import MetricsLog, param_digest
 from gpujobs.run.optim import build_optimizer, build_scheduler
@@ -65,6 +66,7 @@ class Trainer:
         on_step: Optional[Callable[[int, dict[str, Any]], None]] = None,
         telemetry: Optional[Telemetry] = None,
         preemption: Optional[PreemptionWatcher] = None,
+        heartbeat: Optional[NoBeat] = None,
     ) -> None:
         self.job = job
         self.info = info
@@ -75,6 +77,8 @@ class Trainer:
         self.on_step = on_step or (lambda step, record: None)
         self.telemetry = telemetry or Telemetry()
         self.preemption = preemption or PreemptionWatcher()
+        self.beat = heartbeat or NoBeat()
+        """Step and phase for the hang watchdog: two attribute stores per phase, nothing more."""
         cfg = job.trainer
         self.model = task.model.to(device)
         slowed = job.telemetry.debug_slow_rank == info.rank
@@ -110,6 +114,8 @@ class Trainer:
         self.saved: Optional[str] = None
         self.resumed_from: Optional[str] = None
         self.resume_skipped: list[dict[str, Any]] = []
+        self.trained_from: Optional[float] = None
+        """When the first training step of this attempt began (epoch seconds)."""
 
     def _gpu_names(self) -> list[str]:
         """Every rank's GPU model name as CUDA reports it ("cpu" for a CPU rank); collective."""
@@ -139,6 +145,7 @@ class Trainer:
         """
         if not self.job.checkpoint.resume:
             return False
+        self.beat.phase = "checkpoint"
         found, self.resume_skipped = self.checkpoints.load_latest(map_location=self.device)
         if found is None:
             return False
@@ -172,6 +179,7 @@ class Trainer:
         Raises CheckpointNotSaved on every rank when any rank failed: nothing was published.
         """
         started = time.perf_counter()
+        self.beat.phase = "checkpoint"
         self._published(self.checkpoints.wait())
         self.saved = str(self.checkpoints.save(self.step, self.state_dict, {"rng": rng_state()}, self._meta()))
         self.saved_step = self.step
@@ -180,6 +188,7 @@ class Trainer:
     def save_async(self) -> None:
         """Collective: blocks while the state is copied to host memory; the rest runs in the background
         (`poll` at every step boundary publishes it, or raises its failure on every rank)."""
+        self.beat.phase = "checkpoint"
         self.checkpoints.save_async(self.step, self.state_dict, {"rng": rng_state()}, self._meta())
         self.saved_step = self.step
         self._record_save(True, self.checkpoints.last_blocking_s)
@@ -208,7 +217,9 @@ class Trainer:
         micro_rows, count, offset = self.balancer.micro_batch, plan.counts[rank], plan.offset(rank)
         weight = plan.weight(rank, self.global_batch)
         start = time.perf_counter()
+        beat = self.beat
         for micro, sync in self._micro_steps():
+            beat.phase = "data"
             fetch = time.perf_counter()
             if self.timed:
                 self.clock.start()
@@ -217,6 +228,7 @@ class Trainer:
             first = micro * micro_rows + offset
             batch = self.task.train_batch(self.step, first, first + count, self.device)
             times.data_s += time.perf_counter() - fetch
+            beat.phase = "compute"  # DDP's gradient all-reduce runs inside backward
             with sync:
                 with self.autocast():
                     # The rank's share of the global batch's mean loss, times the world size that DDP divides by
@@ -229,12 +241,14 @@ class Trainer:
                 self.clock.end()  # after the all-reduce hook already marked it, on a synced micro-batch: no-op
             # summed on the device, read once per log line: no host sync on every step
             times.loss_sum = times.loss_sum + loss.detach()
+        beat.phase = "optimizer"
         if self.job.trainer.grad_clip is not None:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.job.trainer.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
+        beat.step = self.step
         self.samples += self.global_batch
         rows = count * self.job.trainer.grad_accum
         times.steps += 1
@@ -254,6 +268,9 @@ class Trainer:
         evals: dict[str, float] = {}
         start_step, stopped = self.step, False
         self.ddp.train()
+        self.trained_from = time.time()
+        self.beat.step = self.beat.start_step = self.step
+        self.beat.trained_from = self.trained_from
         while self.step < cfg.max_steps:
             self._write(self.balancer.replay_at(self.step))
             self.train_step(times)
@@ -267,6 +284,7 @@ class Trainer:
             if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < cfg.max_steps:
                 evals = self._evaluate()
             if self.checkpoints.in_flight is not None:
+                self.beat.phase = "checkpoint"
                 self._published(self.checkpoints.poll())
             if self.checkpoints.should_save(self.step, cfg.max_steps):
                 if self.job.checkpoint.async_ and self.step < cfg.max_steps:
@@ -276,7 +294,7 @@ class Trainer:
             if times.steps == 0:
                 window_start = time.perf_counter()
             # All ranks check at the same steps and agree, so all stop after this same step.
-            if self.step % cfg.stop_check_every == 0 and self.preemption.should_stop():
+            if self.step % cfg.stop_check_every == 0 and self._should_stop():
                 stopped = True
                 break
         if times.steps:
@@ -303,7 +321,12 @@ class Trainer:
 
     # ------------------------------------------------------------------ helpers
     def _barrier(self) -> None:
+        self.beat.phase = "collective"
         collectives.barrier()
+
+    def _should_stop(self) -> bool:
+        self.beat.phase = "collective"
+        return self.preemption.should_stop()
 
     def _write(self, record: Optional[dict[str, Any]]) -> None:
         """A plan record (or None: nothing changed) to the metrics, on rank 0."""
@@ -322,6 +345,7 @@ class Trainer:
         """dynamic: gather every rank's compute time and rows since the last update; every rank derives
         the same new plan from the same table (one small all-gather every balance_every steps)."""
         self._take_compute(times)
+        self.beat.phase = "collective"
         window = self.balance_window
         table = collectives.all_gather_rows(torch.tensor([window.compute_s, float(window.rows)], dtype=torch.float64))
         self.balance_window = StepTimes()
@@ -334,6 +358,7 @@ class Trainer:
         mine = torch.tensor(
             [times.step_s, times.data_s, float(times.loss_sum), times.local_s, per_sample * times.steps]
         ) / times.steps
+        self.beat.phase = "collective"
         table = collectives.all_gather_rows(mine)  # world size x 5, on the CPU whatever the backend
         record = {
             "kind": "train",
@@ -357,6 +382,7 @@ class Trainer:
         """Rank 0 evaluates the unwrapped model; the others wait at a barrier."""
         results: dict[str, float] = {}
         if self.info.is_main:
+            self.beat.phase = "eval"
             results = {k: round(float(v), 6) for k, v in self.task.evaluate(self.model, self.device).items()}
             record = {"kind": "eval", "step": self.step, **results}
             self.telemetry.step(record)

@@ -1,9 +1,11 @@
 """Every attempt of a job, and whether another one may follow (torch-free: both sides use it).
 
 `attempts.jsonl` in the run dir holds one line per attempt: when it started and ended, why it ended
-(completed, preempted, timeout, failed), the steps it reached, the checkpoint it resumed from and the
+(completed, preempted, timeout, failed, hung, unhealthy), the steps it reached, the checkpoint it resumed from and the
 one it saved, and the requeue decision. Budgets are separate: being preempted twenty times is normal on
-a busy cluster; failing by itself twenty times is a bug that no requeue will fix.
+a busy cluster; failing by itself twenty times is a bug that no requeue will fix. A hang counts
+against the failure budget (`cluster.max_restarts`) together with failures; a failed health check
+against its own (`cluster.max_unhealthy`): it blames a node, which leaves the job, not the job's code.
 """
 
 from __future__ import annotations
@@ -36,21 +38,28 @@ class RequeuePolicy:
     max_preemptions: int
     max_timeouts: int
     max_failures: int
+    max_unhealthy: int = 3
 
     @classmethod
     def of(cls, cluster: ClusterConfig) -> RequeuePolicy:
-        """The budgets `cluster` sets (max_preemptions, max_timeouts, max_restarts)."""
-        return cls(cluster.max_preemptions, cluster.max_timeouts, cluster.max_restarts)
+        """The budgets `cluster` sets (max_preemptions, max_timeouts, max_restarts, max_unhealthy)."""
+        return cls(cluster.max_preemptions, cluster.max_timeouts, cluster.max_restarts, cluster.max_unhealthy)
 
     def decide(self, history: list[Attempt], reason: str) -> Decision:
         """Decide for an attempt that just ended with `reason`, given the attempts before it."""
         if reason == "completed":
             return Decision(False, "completed")
-        budget = {"preempted": self.max_preemptions, "timeout": self.max_timeouts, "failed": self.max_failures}[reason]
-        used = sum(1 for line in history if line.reason == reason)
+        # each budget, and the reasons that spend it
+        spends = {"failed": ("failed", "hung"), "hung": ("failed", "hung")}.get(reason, (reason,))
+        budget = {
+            "preempted": self.max_preemptions, "timeout": self.max_timeouts, "failed": self.max_failures,
+            "hung": self.max_failures, "unhealthy": self.max_unhealthy,
+        }[reason]
+        used = sum(1 for line in history if line.reason in spends)
+        shared = " (failures and hangs share cluster.max_restarts)" if len(spends) > 1 and used else ""
         if used < budget:
-            return Decision(True, f"{reason} {used + 1} of at most {budget}")
-        return Decision(False, f"{reason} budget exhausted ({budget} {reason} attempts allowed)")
+            return Decision(True, f"{reason} {used + 1} of at most {budget}{shared}")
+        return Decision(False, f"{reason} budget exhausted ({budget} {reason} attempts allowed){shared}")
 
 
 class AttemptLog:

@@ -1,5 +1,5 @@
 """The records that cross modules, typed once: an attempt (attempts.jsonl), a result (result.json)
-and a metrics line (metrics.jsonl: a train, an eval, a plan or a checkpoint record).
+and a metrics line (metrics.jsonl: a train, an eval, a plan, a checkpoint or a health record).
 
 Readers get them from `read_attempts`, `read_result`, `read_metrics` (or `metrics_record` for one
 line), which tolerate what a crash or an older gpujobs left (a torn line is skipped, an unknown key
@@ -17,8 +17,11 @@ from typing import Any, Optional, Union
 from gpujobs.atomic import read_jsonl, write_json_atomic
 from gpujobs.rundir import ATTEMPTS_FILE, METRICS_FILE, RESULT_FILE
 
-#: Why an attempt ended.
-REASONS = ("completed", "preempted", "timeout", "failed")
+#: Why an attempt ended. `hung`: the watchdog found no progress and killed it; `unhealthy`: the health
+#: check at start failed on a node.
+REASONS = ("completed", "preempted", "timeout", "failed", "hung", "unhealthy")
+#: Reasons that blame a node: it leaves the job (Slurm's exclude list) before the next attempt.
+NODE_FAULTS = ("hung", "unhealthy")
 
 
 def _known(cls: type[Any], values: dict[str, Any]) -> dict[str, Any]:
@@ -33,7 +36,7 @@ class Attempt:
     attempt: int
     """1 for the first attempt of the run dir."""
     reason: str
-    """completed | preempted | timeout | failed."""
+    """completed | preempted | timeout | failed | hung | unhealthy."""
     requeue: bool
     """Whether another attempt follows (within the budgets, and the requeue worked)."""
     why: str
@@ -59,6 +62,22 @@ class Attempt:
     """A bring-your-own script's exit code."""
     world_size: Optional[int] = None
     """Ranks the attempt ran with (elastic jobs: what the allocation gave)."""
+    culprit_rank: Optional[int] = None
+    """hung: the rank the watchdog blames (its stack was not in a collective, or its progress stopped
+    first); unhealthy: the rank that found the fault."""
+    node: Optional[str] = None
+    """The node a hang, a crash or a failed health check is attributed to."""
+    excluded: list[str] = field(default_factory=list)
+    """Every node the job excludes from its next attempt on (Slurm), this attempt's node included."""
+    evidence: Optional[str] = None
+    """hung: the directory with every rank's stacks (RUN_DIR/hangs/<attempt>/)."""
+    hung_s: Optional[float] = None
+    """hung: seconds from the last progress of any rank to the watchdog's kill."""
+    trained_from: Optional[float] = None
+    """When the first training step of the attempt began (epoch seconds): start-up, restore and the
+    health check came before it."""
+    health_s: Optional[float] = None
+    """Seconds the health check at start took."""
 
     @classmethod
     def from_json(cls, line: dict[str, Any]) -> Optional[Attempt]:
@@ -212,7 +231,32 @@ class CheckpointRecord:
     time: float = 0.0
 
 
-MetricsRecord = Union[TrainRecord, EvalRecord, PlanRecord, CheckpointRecord]
+@dataclass(frozen=True)
+class HealthRecord:
+    """A health line of metrics.jsonl: the health check at the start of an attempt (`cluster.health_check`),
+    written by rank 0 before any step, whether it passed or not."""
+
+    healthy: bool
+    health_s: float
+    """Seconds the check took."""
+    busbw_gbps: Optional[float] = None
+    """The all-reduce probe's bus bandwidth, GB/s (None: one rank, no link to measure)."""
+    min_busbw_gbps: float = 0.0
+    """The threshold it was held against (0: recorded, never failed)."""
+    probe_mb: float = 0.0
+    world_size: int = 1
+    nvml: list[str] = field(default_factory=list)
+    """Per node, what NVML could check ("node1: 8 GPUs checked", "node1: NVML unavailable (...)")."""
+    faults: list[str] = field(default_factory=list)
+    """Every sick GPU found, "node: GPU i (uuid): ..."."""
+    error: Optional[str] = None
+    """Why the check failed (the attempt's error)."""
+    node: Optional[str] = None
+    """The node the failure is attributed to."""
+    time: float = 0.0
+
+
+MetricsRecord = Union[TrainRecord, EvalRecord, PlanRecord, CheckpointRecord, HealthRecord]
 
 
 def metrics_record(line: dict[str, Any]) -> Optional[MetricsRecord]:
@@ -235,6 +279,12 @@ def metrics_record(line: dict[str, Any]) -> Optional[MetricsRecord]:
             values = {"async_": line["async"], **line} if "async" in line else line
             save = CheckpointRecord(**_known(CheckpointRecord, values))
             return dataclasses.replace(save, blocking_s=float(save.blocking_s), async_=bool(save.async_))
+        if line.get("kind") == "health":
+            health = HealthRecord(**_known(HealthRecord, line))
+            bandwidth = None if health.busbw_gbps is None else float(health.busbw_gbps)
+            return dataclasses.replace(health, healthy=bool(health.healthy), health_s=float(health.health_s),
+                                       busbw_gbps=bandwidth, nvml=[str(v) for v in health.nvml],
+                                       faults=[str(v) for v in health.faults])
     except (KeyError, TypeError, ValueError):
         return None
     return None

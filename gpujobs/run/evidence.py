@@ -1,0 +1,217 @@
+"""A hung attempt's evidence, taken before anything is killed: `RUN_DIR/hangs/<attempt>/`.
+
+- `rank_<N>.txt`: every rank's Python stacks. py-spy (a PyPI wheel: `pip install 'gpujobs[hangs]'`)
+  reads them from outside, even from a stopped process, for the ranks on this machine; where it is
+  missing or cannot reach a rank, the rank's own faulthandler writes them on SIGUSR1 (registered by
+  its heartbeat). A stopped rank cannot run a handler: without py-spy it gets SIGUSR1 and then SIGCONT,
+  so its stack is written as it resumes, an instant before it is killed.
+- `nccl_trace_rank_<N>`: PyTorch's NCCL flight recorder, dumped on request through the pipe each NCCL
+  rank listens on (`TORCH_NCCL_DEBUG_INFO_PIPE_FILE`), where the ranks run NCCL.
+- `nvml.json`: this node's GPUs as NVML reads them now.
+- `hang.json`: the heartbeats, the culprit and why, and how each rank's stack was taken.
+
+Torch-free.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Optional
+
+from gpujobs.atomic import write_json_atomic
+from gpujobs.run.heartbeat import STACKS_SIGNAL, stacks_path
+from gpujobs.rundir import HANGS_DIR, HEARTBEAT_DIR
+
+_PY_SPY_TIMEOUT_S = 20.0
+_FAULTHANDLER_WAIT_S = 3.0
+_FLIGHT_RECORDER_WAIT_S = 5.0
+#: Stems of the NCCL flight recorder's request pipes and dumps: `<stem><rank>.pipe`, `<stem><rank>`.
+NCCL_PIPE_STEM = "nccl_pipe_rank_"
+NCCL_TRACE_STEM = "nccl_trace_rank_"
+
+
+def hang_dir(run_dir: Path, attempt: int) -> Path:
+    """Where attempt `attempt`'s evidence goes."""
+    return Path(run_dir) / HANGS_DIR / str(attempt)
+
+
+def nccl_debug_env(run_dir: Path, entries: int) -> dict[str, str]:
+    """The flight recorder's settings for a rank of `run_dir`: `entries` collectives kept, a dump on
+    NCCL's own timeout and on request through a pipe (the watchdog's), both in the heartbeat dir."""
+    beats = Path(run_dir) / HEARTBEAT_DIR
+    return {
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": str(entries),
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1" if entries else "0",
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(beats / NCCL_TRACE_STEM),
+        "TORCH_NCCL_DEBUG_INFO_PIPE_FILE": str(beats / NCCL_PIPE_STEM) if entries else "",
+    }
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` is a process that is not a zombie (`kill -0` succeeds on zombies)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return False
+    return fields[0] not in ("Z", "X")
+
+
+def stopped(pid: int) -> bool:
+    """Whether `pid` is stopped (SIGSTOP, or a debugger)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
+def local_ranks(ranks: dict[int, dict[str, Any]]) -> dict[int, int]:
+    """rank -> pid of the ranks whose heartbeat says they run on this machine, and whose process lives."""
+    host = socket.gethostname()
+    return {rank: int(rec["pid"]) for rank, rec in ranks.items()
+            if rec.get("host") == host and isinstance(rec.get("pid"), int) and alive(int(rec["pid"]))}
+
+
+def py_spy_dump(pid: int) -> Optional[str]:
+    """py-spy's dump of `pid`'s threads, or None (no py-spy, no permission, it failed)."""
+    exe = shutil.which("py-spy")
+    if exe is None:
+        return None
+    # py-spy pauses a running process to read a consistent stack; a stopped one it cannot pause (it fails
+    # to find the interpreter), but it is still already, so it is read as it is
+    command = [exe, "dump", "--pid", str(pid), *(["--nonblocking"] if stopped(pid) else [])]
+    try:
+        proc = subprocess.run(command, capture_output=True, text=True,
+                              timeout=_PY_SPY_TIMEOUT_S, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return proc.stdout if proc.returncode == 0 and proc.stdout.strip() else None
+
+
+def take_stacks(run_dir: Path, out: Path, ranks: dict[int, dict[str, Any]],
+                signal_remote: Optional[Callable[[], None]] = None) -> dict[int, str]:
+    """Every rank's stacks into `out/rank_<N>.txt`; returns rank -> how they were taken.
+
+    `signal_remote` sends SIGUSR1 to the ranks this machine cannot reach (on Slurm: `scancel --signal`).
+    """
+    how: dict[int, str] = {}
+    here = local_ranks(ranks)
+    asked: list[int] = []
+    for rank in sorted(ranks):
+        pid = here.get(rank)
+        text = py_spy_dump(pid) if pid is not None else None
+        if text is not None:
+            (out / f"rank_{rank}.txt").write_text(text)
+            how[rank] = "py-spy"
+            continue
+        if pid is not None:
+            os.kill(pid, STACKS_SIGNAL)
+            if stopped(pid):  # a stopped process runs no handler until it continues
+                os.kill(pid, signal.SIGCONT)
+                how[rank] = "faulthandler (stopped: SIGCONT to let it write)"
+            else:
+                how[rank] = "faulthandler"
+        else:
+            how[rank] = "faulthandler (signalled through Slurm)"
+        asked.append(rank)
+    if asked and any(rank not in here for rank in asked) and signal_remote is not None:
+        signal_remote()
+    deadline = time.monotonic() + _FAULTHANDLER_WAIT_S
+    pending = set(asked)
+    while pending and time.monotonic() < deadline:
+        for rank in sorted(pending):
+            written = stacks_path(run_dir, rank)
+            if written.exists() and written.stat().st_size > 0:
+                pending.discard(rank)
+        time.sleep(0.1)
+    time.sleep(0.2 if asked else 0)  # let the last handler finish its lines
+    for rank in asked:
+        written = stacks_path(run_dir, rank)
+        text = written.read_text(errors="replace") if written.exists() else ""
+        (out / f"rank_{rank}.txt").write_text(text or "no stack: the rank did not answer SIGUSR1\n")
+        if not text:
+            how[rank] += ", no answer"
+    return how
+
+
+def dump_flight_recorder(run_dir: Path, out: Path, ranks: list[int],
+                         wait_s: float = _FLIGHT_RECORDER_WAIT_S) -> list[int]:
+    """Ask every NCCL rank's flight recorder for a dump and move the dumps into `out`, waiting up to
+    `wait_s` for them; returns the ranks that wrote one (none on gloo: its ranks open no pipe)."""
+    beats = Path(run_dir) / HEARTBEAT_DIR
+    asked = []
+    for rank in ranks:
+        pipe = beats / f"{NCCL_PIPE_STEM}{rank}.pipe"
+        with contextlib.suppress(OSError):  # no pipe (gloo), or nobody reads it: no recorder there
+            fd = os.open(pipe, os.O_WRONLY | os.O_NONBLOCK)
+            try:
+                os.write(fd, b"1\n")
+            finally:
+                os.close(fd)
+            asked.append(rank)
+    deadline = time.monotonic() + (wait_s if asked else 0)
+    found: list[int] = []
+    while True:
+        for rank in ranks:
+            trace = beats / f"{NCCL_TRACE_STEM}{rank}"
+            if rank not in found and trace.exists() and trace.stat().st_size > 0:
+                shutil.move(str(trace), out / trace.name)
+                found.append(rank)
+        if len(found) >= len(asked) or time.monotonic() >= deadline:
+            return sorted(found)
+        time.sleep(0.2)
+
+
+def nvml_snapshot() -> dict[str, Any]:
+    """This node's visible GPUs as NVML reads them now (or why it cannot)."""
+    from gpujobs.nvml import NvmlUnavailable, nvml_session, read_gpu, visible_gpus
+
+    try:
+        with nvml_session() as nv:
+            return {"node": socket.gethostname(),
+                    "gpus": [{"index": g.index, "uuid": g.uuid, **read_gpu(nv, g.handle)} for g in visible_gpus(nv)]}
+    except NvmlUnavailable as err:
+        return {"node": socket.gethostname(), "unavailable": str(err)}
+
+
+def write_summary(out: Path, summary: dict[str, Any]) -> None:
+    """hang.json: what the watchdog saw and decided."""
+    write_json_atomic(out / "hang.json", summary)
+
+
+def kill_tree(pids: list[int], grace_s: float = 5.0) -> list[int]:
+    """SIGKILL `pids` (a stopped process dies of it too) and wait until they are gone; returns those left."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        left = [pid for pid in pids if alive(pid)]
+        if not left:
+            return []
+        time.sleep(0.05)
+    return [pid for pid in pids if alive(pid)]
+
+
+def descendants(root: int) -> list[int]:
+    """Every process below `root` in the process tree (children first, as /proc lists them)."""
+    parents: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        parents.setdefault(ppid, []).append(int(stat.parent.name))
+    found, todo = [], [root]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found

@@ -1,0 +1,119 @@
+"""The hang watchdog, for real: a rank is stopped (SIGSTOP) mid-run; the launcher must notice within
+`trainer.hang_timeout_s` + 30 s, keep every rank's stacks, blame the stopped rank, leave no process of
+the hung attempt behind, and restart the job from its checkpoint to the uninterrupted `param_digest`."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import SLOW, read_result, slurm_job_id, submit
+from jobctl import RunningJob, attempts, slurm_rank_pids
+
+from gpujobs.run.evidence import alive
+
+HANG_TIMEOUT_S = 8
+HANG = (*SLOW, f"trainer.hang_timeout_s={HANG_TIMEOUT_S}", "cluster.max_restarts=1")
+
+
+def path_without_py_spy() -> str:
+    """PATH with every directory that holds a py-spy left out (the faulthandler fallback)."""
+    dirs = [d for d in os.environ["PATH"].split(os.pathsep) if not (Path(d) / "py-spy").exists()]
+    return os.pathsep.join(dirs)
+
+
+@pytest.mark.parametrize("stacks", ["py-spy", "faulthandler"])
+def test_a_stopped_rank_is_found_hung_and_the_job_resumes(tmp_path: Path, straight_digest: str, stacks: str) -> None:
+    if stacks == "py-spy" and shutil.which("py-spy") is None:
+        pytest.fail("py-spy is part of the dev extras (gpujobs[hangs]): install them")
+    env = {"PATH": path_without_py_spy()} if stacks == "faulthandler" else {}
+    run_dir = tmp_path / "run"
+    job = RunningJob(run_dir, *HANG, env=env)
+    job.wait_for_step(21)  # checkpoint 20 is on disk
+    ranks = job.local_rank_pids()
+    os.kill(ranks[1], signal.SIGSTOP)
+    stopped_at = time.time()
+    assert job.wait(timeout=180) == 0, job.output()
+
+    hung, completed = attempts(run_dir)
+    assert hung["reason"] == "hung" and hung["recorded_by"] == "launcher", hung
+    assert hung["culprit_rank"] == 1 and "rank 1" in hung["error"] and "stopped running" in hung["error"], hung
+    assert hung["requeue"] is True and hung["node"], hung
+    assert hung["start_step"] == 0 and hung["steps_done"] >= 21, hung  # from the heartbeats
+    assert hung["end"] - stopped_at <= HANG_TIMEOUT_S + 30, hung
+    assert HANG_TIMEOUT_S <= hung["hung_s"] <= HANG_TIMEOUT_S + 30, hung
+    assert not any(alive(pid) for pid in ranks.values())  # the stopped rank and its peer are gone
+
+    evidence = Path(hung["evidence"])
+    assert evidence == run_dir / "hangs" / "1"
+    for rank in (0, 1):
+        text = (evidence / f"rank_{rank}.txt").read_text()
+        assert "train_step" in text or "fit" in text, text  # a real Python stack of the training loop
+    summary = json.loads((evidence / "hang.json").read_text())
+    assert summary["culprit_rank"] == 1
+    assert summary["stacks"]["1"].startswith(stacks), summary["stacks"]
+    assert json.loads((evidence / "nvml.json").read_text())["node"]
+
+    assert completed["reason"] == "completed" and completed["resumed_from"].endswith("step_00000020"), completed
+    assert read_result(run_dir)["param_digest"] == straight_digest
+
+
+ON_SLURM = (
+    "+experiment=rec", "+debug=tiny", "trainer.max_steps=200", "checkpoint.every_steps=50", "cluster=slurm",
+    "resources.nodes=1", "resources.procs_per_node=2", "cluster.wait=true", "cluster.max_restarts=1",
+    f"trainer.hang_timeout_s={HANG_TIMEOUT_S}", "telemetry.debug_slow_rank=0", "telemetry.debug_slow_ms=40",
+)
+
+
+@pytest.fixture(scope="module")
+def slurm_reference(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The same training as ON_SLURM, uninterrupted, as 2 local ranks."""
+    run_dir = tmp_path_factory.mktemp("reference") / "run"
+    local = [o for o in ON_SLURM if not o.startswith(("cluster=", "resources.nodes", "cluster.wait"))]
+    proc = submit(run_dir, *local, "cluster=local")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return str(read_result(run_dir)["param_digest"])
+
+
+@pytest.mark.slurm
+def test_a_hung_rank_on_slurm_requeues_on_the_other_node(
+    tmp_path: Path, slurm: dict[str, str], slurm_reference: str
+) -> None:
+    run_dir = tmp_path / "run"
+    job = RunningJob(run_dir, *ON_SLURM, env=slurm)
+    job.wait_for_step(60)  # checkpoint 50 is on disk
+    job_id = slurm_job_id(job.output())
+    ranks = slurm_rank_pids(job_id)
+    assert sorted(ranks) == [0, 1], ranks
+    os.kill(ranks[1], signal.SIGSTOP)
+    stopped_at = time.time()
+    assert job.wait(timeout=300) == 0, job.output()
+
+    hung, completed = attempts(run_dir)
+    assert hung["reason"] == "hung" and hung["recorded_by"] == "supervisor", hung
+    assert hung["culprit_rank"] == 1 and hung["job_id"] == job_id, hung
+    assert hung["end"] - stopped_at <= HANG_TIMEOUT_S + 30, hung
+    sick = hung["node"]
+    assert sick in ("node1", "node2") and hung["excluded"] == [sick], hung
+    assert not any(alive(pid) for pid in ranks.values())
+    for rank in (0, 1):
+        assert "train_step" in (Path(hung["evidence"]) / f"rank_{rank}.txt").read_text()
+
+    env = {**os.environ, **slurm}
+    runs = subprocess.run(["sacct", "-X", "--duplicates", "-n", "-P", "-j", job_id, "-o", "NodeList,State"],
+                          capture_output=True, text=True, check=True, env=env).stdout.split()
+    nodes = [line.split("|")[0] for line in runs]
+    assert sick in nodes[:1] and nodes[-1] != sick, runs  # the requeued run went to the other node
+    assert completed["reason"] == "completed" and completed["resumed_from"].endswith("step_00000050"), completed
+    assert read_result(run_dir)["param_digest"] == slurm_reference
+
+    status = subprocess.run([sys.executable, "-m", "gpujobs", "status", str(run_dir)], capture_output=True,
+                            text=True, env={**env, "COLUMNS": "80"}, check=True).stdout
+    assert sick in status, status
