@@ -23,6 +23,11 @@ ON_SLURM = (
     *MODEL, "cluster=slurm", "resources.nodes=2", "resources.procs_per_node=1", "cluster.wait=true",
     "telemetry.debug_slow_rank=0",  # only slows the steps down, so there is time to interrupt them
 )
+#: One node, two ranks: a job that still fits the partition without one of its two nodes.
+ONE_NODE = (
+    *MODEL, "cluster=slurm", "resources.nodes=1", "resources.procs_per_node=2", "cluster.wait=true",
+    "telemetry.debug_slow_rank=0", "telemetry.debug_slow_ms=40",
+)
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +35,16 @@ def reference_digest(tmp_path_factory: pytest.TempPathFactory) -> str:
     """The same training, uninterrupted, as 2 local ranks (same world size, same numerics)."""
     run_dir = tmp_path_factory.mktemp("reference") / "run"
     proc = submit(run_dir, *MODEL, "cluster=local")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return str(read_result(run_dir)["param_digest"])
+
+
+@pytest.fixture(scope="module")
+def one_node_digest(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """ONE_NODE's training, uninterrupted, as 2 local ranks."""
+    run_dir = tmp_path_factory.mktemp("one-node") / "run"
+    proc = submit(run_dir, *MODEL, "resources.procs_per_node=2", "telemetry.debug_slow_rank=0",
+                  "telemetry.debug_slow_ms=40", "cluster=local")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return str(read_result(run_dir)["param_digest"])
 
@@ -138,8 +153,30 @@ def test_rank_0_killed_is_recorded_by_the_supervisor_and_requeued(
     assert failed["reason"] == "failed" and failed["recorded_by"] == "supervisor", failed
     assert "rank 0 on " in failed["error"] and "Killed" in failed["error"], failed
     assert failed["requeue"] is True and failed["job_id"] == job_id
+    # the crash is attributed to its node, which stays: the 2-node job needs both nodes of the partition
+    assert failed["node"] in failed["error"] and "excluded" not in failed, failed
+    assert f"{failed['node']} kept after the crash: only " in failed["why"], failed
     assert completed["reason"] == "completed" and completed["resumed_from"].endswith("step_00000050")
     assert read_result(run_dir)["param_digest"] == reference_digest
+
+
+def test_a_node_where_a_rank_crashed_leaves_a_job_that_fits_without_it(
+    tmp_path: Path, slurm: dict[str, str], one_node_digest: str
+) -> None:
+    run_dir = tmp_path / "run"
+    job = RunningJob(run_dir, *ONE_NODE, "cluster.max_restarts=1", env=slurm)
+    job.wait_for_step(60)  # checkpoint 50 is published
+    job_id = slurm_job_id(job.output())
+    os.kill(slurm_rank_pids(job_id)[0], signal.SIGKILL)  # rank 0 dies: the supervisor records the crash
+    assert job.wait(timeout=240) == 0, job.output()
+    failed, completed = attempts(run_dir)
+    assert failed["reason"] == "failed" and failed["recorded_by"] == "supervisor", failed
+    crashed = failed["node"]
+    assert failed["excluded"] == [crashed] and failed["requeue"] is True, failed
+    runs = subprocess.run(["sacct", "-X", "--duplicates", "-n", "-P", "-j", job_id, "-o", "NodeList"],
+                          capture_output=True, text=True, check=True, env={**os.environ, **slurm}).stdout.split()
+    assert runs[0] == crashed and runs[-1] != crashed, runs  # the requeued run went to the other node
+    assert completed["reason"] == "completed" and read_result(run_dir)["param_digest"] == one_node_digest
 
 
 def test_a_requeue_that_fails_once_is_retried_with_one_attempt_line(

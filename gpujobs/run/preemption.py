@@ -112,6 +112,9 @@ def record_attempt(run_dir: str, job: JobConfig, reason: str, **fields: Any) -> 
     An attempt that blames a node (a reason in `NODE_FAULTS`, with `node`) and goes again on Slurm
     excludes that node from the requeued job (`quarantine`), recorded as `excluded` (the whole list); when
     the job would no longer fit its partition without it, the job is not requeued, and the line says why.
+    A crash the supervisor saw (a rank that died on `node`, recorded `failed` by the supervisor) excludes
+    its node too, but only where the job still fits without it: a crash is weaker evidence against a node
+    (a bug, the OOM killer), so otherwise the job goes again with the node, and the line says so.
     """
     job_id = slurm_job_id()
     fields.setdefault("world_size", allocated_world_size())
@@ -121,10 +124,14 @@ def record_attempt(run_dir: str, job: JobConfig, reason: str, **fields: Any) -> 
     notes: list[str] = []  # said in the line's why once the requeue is done
     node = fields.get("node")
     goes_again = RequeuePolicy.of(job.cluster).decide(ledger.read(), reason).requeue
-    if slurm_job is not None and reason in NODE_FAULTS and node and goes_again:
+    crash = reason == "failed" and fields.get("recorded_by") == "supervisor"
+    if slurm_job is not None and (reason in NODE_FAULTS or crash) and node and goes_again:
         exclusion, problem = _plan_exclusion(ledger, job, slurm_job, reason, str(node))
         if problem is not None:
             notes.append(problem)
+        if crash and exclusion is not None and exclusion.refused is not None:
+            notes.append(f"{node} kept after the crash: {exclusion.refused.partition(': ')[2]}")
+            exclusion = None
         if exclusion is not None and exclusion.refused is None:
             fields.setdefault("excluded", exclusion.excluded)
     attempt = ledger.record(job.cluster, reason, job_id=job_id, **fields)

@@ -54,6 +54,15 @@ def died(srun_lines: list[str]) -> list[str]:
     return found
 
 
+def crashed_node(srun_lines: list[str]) -> Optional[str]:
+    """The node of the first task `srun` says ended badly (the crash is attributed to it), or None."""
+    for line in srun_lines:
+        match = _TASK_LINE.search(line.strip())
+        if match:
+            return match.group("node")
+    return None
+
+
 def run_step(command: list[str], watchdog: Optional[Watchdog] = None) -> tuple[int, list[str]]:
     """Run the srun step, passing its stderr through, with `watchdog` ticking beside it; returns the
     step's exit code and its stderr lines."""
@@ -135,7 +144,7 @@ def supervise(run_dir: Path, job_id: str, command: list[str]) -> int:
     why = f"the ranks recorded nothing: {error}"
     # SLURM_NTASKS of the batch step: the allocation's ranks (an elastic job's differ between attempts)
     record_attempt(str(train_dir), job, "failed", recorded_by="supervisor", error=why,
-                   world_size=allocated_world_size())
+                   world_size=allocated_world_size(), node=crashed_node(lines))
     return code
 
 
