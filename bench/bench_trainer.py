@@ -1,6 +1,7 @@
 """Trainer overhead and data-pipeline headroom, side by side in one invocation.
 
     python bench/bench_trainer.py [--steps 500] [--rounds 8] [overrides...]
+    python bench/bench_trainer.py logger=tensorboard     # the trainer side with a tracker (bar: >= 0.95x)
 
 (a) the gpujobs Trainer and (b) a hand-written minimal DDP loop train the same rec model on the same
 data for the same steps with 2 gloo ranks, doing the same math (Adam at a constant learning rate, no
@@ -9,11 +10,17 @@ timing, the preemption agreement, checkpoint policy, the hang watchdog's heartbe
 extra features. Rounds alternate a, b, a, b… and the median ratio of samples/s is reported (this
 machine is shared and noisy: only ratios mean anything). Then the data pipeline alone (one rank's
 `train_batch` calls) is timed against the trainer's per-rank rate.
+
+With a `logger=...` override the trainer side also runs rank 0's experiment trackers as a job does
+(`gpujobs.run.trackers`, fed by the trainer's `on_step`), really writing: TensorBoard event files and an
+MLflow sqlite store in the round's temporary run dir. The minimal loop logs nothing, so the ratio then
+includes the trackers' cost.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -38,6 +45,7 @@ from gpujobs.run.heartbeat import Heartbeat, interval_for
 from gpujobs.run.jobenv import DistInfo
 from gpujobs.run.metrics import MetricsLog
 from gpujobs.run.rng import seed_everything
+from gpujobs.run.trackers import open_trackers
 from gpujobs.run.trainer import Trainer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -65,19 +73,32 @@ def join_as_rank(rank: int, job: JobConfig, port: int) -> tuple[DistInfo, Any]:
     return info, load_task_builder(job.task)(job.model, job.data, WORLD, job.trainer.grad_accum)
 
 
+def tracked_in(job: JobConfig, tmp: Path) -> JobConfig:
+    """`job` with its MLflow store (if `logger=mlflow`) in the round's temporary dir, not the submit dir's."""
+    if job.logger.mlflow is None:
+        return job
+    store = dataclasses.replace(job.logger.mlflow, tracking_uri=f"sqlite:///{tmp / 'mlflow.db'}")
+    return dataclasses.replace(job, logger=dataclasses.replace(job.logger, mlflow=store))
+
+
 def _rank(rank: int, kind: str, job: JobConfig, port: int, out: Any) -> None:
-    info, task = join_as_rank(rank, job, port)
     device = torch.device("cpu")
     if kind == "gpujobs":
         with tempfile.TemporaryDirectory() as tmp:
+            # as a job does: rank 0's trackers (`logger=...`) start before the rank joins and builds its task
+            trackers = open_trackers(tracked_in(job, Path(tmp)), Path(tmp), rank == 0)
+            info, task = join_as_rank(rank, job, port)
             checkpoints = CheckpointManager(Path(tmp), 0, 1, rank, world_size=WORLD)
             # the hang watchdog's heartbeat, as a real job runs it (a thread writing its file every second)
             beat = Heartbeat(Path(tmp), rank, "bench", interval_for(job.trainer.hang_timeout_s or 300)).start()
-            trainer = Trainer(job, info, device, task, checkpoints, MetricsLog(None), heartbeat=beat)
-            # the final eval and checkpoint are outside the timed window (samples_per_s excludes them)
-            rate = trainer.fit()["samples_per_s"]
+            with trackers:
+                trainer = Trainer(job, info, device, task, checkpoints, MetricsLog(None), heartbeat=beat,
+                                  on_step=trackers.on_step(lambda record: None))
+                # the final eval and checkpoint are outside the timed window (samples_per_s excludes them)
+                rate = trainer.fit()["samples_per_s"]
             beat.close()
     else:
+        info, task = join_as_rank(rank, job, port)
         model = DistributedDataParallel(task.model)
         optimizer = torch.optim.Adam(model.parameters(), lr=job.optim.lr)
         samples = task.global_batch_size
@@ -138,6 +159,8 @@ def main() -> None:
     report = {
         "world_size": WORLD,
         "steps": args.steps,
+        "rounds": args.rounds,
+        "logger": job.logger.selected,
         "trainer_samples_per_s": round(statistics.median(rates["gpujobs"]), 1),
         "minimal_samples_per_s": round(statistics.median(rates["minimal"]), 1),
         "trainer_vs_minimal": round(statistics.median(ratios), 3),

@@ -13,26 +13,27 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from gpujobs.cli import COMMANDS
 from gpujobs.errors import GpujobsError
 from gpujobs.launch import manage
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m gpujobs", description=__doc__.splitlines()[0])
+def _parser(prog: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    status = commands.add_parser("status", help="a table of the points: job id, state, attempts, step, metric")
+    status = commands.add_parser("status", help=COMMANDS["status"].summary)
     status.add_argument("--watch", type=float, metavar="S", help="redraw every S seconds until all are final")
-    logs = commands.add_parser("logs", help="a rank's log of a point")
+    logs = commands.add_parser("logs", help=COMMANDS["logs"].summary)
     logs.add_argument("--point", type=int, default=0)
     logs.add_argument("--rank", type=int, default=0)
     logs.add_argument("--err", action="store_true", help="stderr instead of stdout")
     logs.add_argument("--follow", "-f", action="store_true", help="keep printing until the job ends")
-    cancel = commands.add_parser("cancel", help="scancel every point, or one")
+    cancel = commands.add_parser("cancel", help=COMMANDS["cancel"].summary)
     cancel.add_argument("--point", type=int)
-    resubmit = commands.add_parser("resubmit", help="queue the failed points again, as one new array")
+    resubmit = commands.add_parser("resubmit", help=COMMANDS["resubmit"].summary)
     resubmit.add_argument("--failed", action="store_true", required=True, help="the failed points (required)")
     resubmit.add_argument("--cancelled", action="store_true", help="also the cancelled points")
-    cost = commands.add_parser("cost", help="where the GPU-hours went: per point and in total (gpujobs.cost)")
+    cost = commands.add_parser("cost", help=COMMANDS["cost"].summary)
     cost.add_argument("--json", action="store_true", help="the JSON document instead of the table")
     for sub in (status, logs, cancel, resubmit, cost):
         sub.add_argument("dir", type=Path, help="a run dir or a sweep dir")
@@ -43,13 +44,15 @@ def _parser() -> argparse.ArgumentParser:
 def _status(args: argparse.Namespace) -> int:
     from rich.console import Console
 
+    from gpujobs.launch.status_table import status_table
+
     console = Console()
     while True:
         points = manage.points_of(args.dir)
         warning = manage.refresh(points, args.sacct_timeout)
         if warning:
             print(f"gpujobs: {warning}", file=sys.stderr)
-        console.print(manage.status_table(points))
+        console.print(status_table(points))
         if not args.watch or all(p.final for p in points):
             return 0
         time.sleep(args.watch)
@@ -134,9 +137,10 @@ def _cancel(points: list[manage.PointState]) -> int:
     return 1 if outcome.failed else 0
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    """Run one management command; returns the exit code."""
-    args = _parser().parse_args(argv)
+def main(argv: Optional[list[str]] = None, prog: str = "python -m gpujobs") -> int:
+    """Run one management command; returns the exit code. `prog` names the command in usage lines
+    (`gpujobs` runs these as its own subcommands)."""
+    args = _parser(prog).parse_args(argv)
     try:
         if args.command == "status":
             return _status(args)

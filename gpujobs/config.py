@@ -40,6 +40,7 @@ from gpujobs.schema import (
     TrainerConfig,
     parse_time_minutes,
 )
+from gpujobs.schema_trackers import TRACKERS, LoggerConfig, MlflowConfig, TensorBoardConfig
 
 __all__ = [
     "AMP_MODES",
@@ -53,10 +54,13 @@ __all__ = [
     "CheckpointConfig",
     "ClusterConfig",
     "JobConfig",
+    "LoggerConfig",
+    "MlflowConfig",
     "OptimConfig",
     "ResourcesConfig",
     "ScriptConfig",
     "TelemetryConfig",
+    "TensorBoardConfig",
     "TrainerConfig",
     "load_config",
     "parse_time_minutes",
@@ -205,6 +209,21 @@ def _plugin(key: str, values: Any) -> Any:
     return _section(key, schema, values)  # type: ignore[arg-type]
 
 
+def _logger(values: Any) -> LoggerConfig:
+    """`logger`: each selected tracker's section (`logger=[tensorboard,mlflow]` sets both keys), by its schema;
+    an error names the tracker's key (`logger.mlflow.tracking_uri`)."""
+    if values is None:  # `logger=[]` selects nothing
+        return LoggerConfig()
+    names = ", ".join(TRACKERS)
+    if not isinstance(values, dict):
+        raise ConfigError("logger", values, f"trackers chosen as logger=none|tensorboard|mlflow or a list ({names})")
+    for name in values:
+        if name not in TRACKERS:
+            raise ConfigError(f"logger.{name}", values[name], f"trackers: {names} (logger=[{names}] selects both)")
+    return LoggerConfig(**{name: None if section is None else _section(f"logger.{name}", TRACKERS[name], section)
+                           for name, section in values.items()})
+
+
 def load_config(cfg: DictConfig | dict[str, Any]) -> JobConfig:
     """Validate a composed config and return it as typed objects. Raises ConfigError."""
     raw: Any = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
@@ -217,4 +236,4 @@ def load_config(cfg: DictConfig | dict[str, Any]) -> JobConfig:
     sections = {key: _aliased(key, schema, raw.get(key)) for key, schema in SECTIONS.items()}
     plugins = {key: _plugin(key, raw.get(key)) for key in PLUGINS}
     script = _section("script", ScriptConfig, raw["script"]) if raw.get("script") is not None else None
-    return JobConfig(**top, **sections, **plugins, script=script)
+    return JobConfig(**top, **sections, **plugins, logger=_logger(raw.get("logger")), script=script)

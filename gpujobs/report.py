@@ -258,9 +258,9 @@ def report(run_dir: Path) -> list[str]:
     return [*summarize(metrics, gpus, result), "plots: " + ", ".join(str(p) for p in written)]
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m gpujobs.report") -> int:
     """CLI entry: 0 on success, 2 when RUN_DIR holds no metrics."""
-    parser = argparse.ArgumentParser(prog="python -m gpujobs.report", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("run_dir", type=Path)
     args = parser.parse_args(argv)
     try:

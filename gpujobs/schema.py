@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 from gpujobs.errors import ConfigError
 from gpujobs.nccl import NcclSettings
+from gpujobs.schema_trackers import LoggerConfig
 from gpujobs.validate import Checked, bounds, is_host
 
 CLUSTERS = ("auto", "local", "debug", "slurm")
@@ -328,6 +331,12 @@ class TelemetryConfig(Checked):
     served to the whole network unasked; 0.0.0.0 lets another host scrape it."""
     prometheus_linger_s: float = field(default=0.0, metadata=bounds(ge=0, le=MAX_WAIT_S))
     """Keep the endpoint up this many seconds after training, so a last scrape sees the final values (a sleep)."""
+    prometheus_sd_dir: Optional[str] = None
+    """Also announce the endpoint as a Prometheus file_sd target in this directory (one `gpujobs-*.json` per
+    run, removed when the endpoint closes), so a Prometheus whose `file_sd_configs` globs over it finds the
+    job. null: none. Made absolute at submit; it must exist and be writable, and, as it may be shared, others
+    must not be able to replace files in it (not world-writable unless sticky, like /tmp). Slurm jobs need it
+    on storage the nodes and the Prometheus host share."""
     debug_slow_rank: Optional[int] = field(default=None, metadata=bounds(ge=0))
     """Debug: this rank is slowed down by debug_slow_ms and/or debug_slow_factor (to see straggler detection
     and balancing work); below the world size."""
@@ -343,6 +352,23 @@ class TelemetryConfig(Checked):
         if self.debug_slow_rank is not None and self.debug_slow_ms == 0 and self.debug_slow_factor == 1:
             allowed = "null, or a rank with debug_slow_ms > 0 or debug_slow_factor > 1"
             raise ConfigError("debug_slow_rank", self.debug_slow_rank, allowed)
+        if self.prometheus_sd_dir is not None:
+            self.prometheus_sd_dir = _sd_dir(self.prometheus_sd_dir)
+
+
+def _sd_dir(text: str) -> str:
+    """`telemetry.prometheus_sd_dir`, resolved once (a symlink in it is followed now, never later), checked."""
+    allowed = "an existing directory this user may write, not world-writable unless sticky (like /tmp)"
+    path = Path(text).expanduser().resolve()
+    try:
+        mode = path.stat().st_mode if text else 0
+    except OSError:
+        mode = 0
+    # world-writable without the sticky bit: anyone could swap a job's target for an address of theirs
+    open_to_all = mode & stat.S_IWOTH and not mode & stat.S_ISVTX
+    if not stat.S_ISDIR(mode) or open_to_all or not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError("prometheus_sd_dir", text, allowed)
+    return str(path)
 
 
 @dataclass
@@ -396,6 +422,7 @@ class JobConfig(Checked):
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
     model: Any = None
     """The model's schema object (a dataclass named by `_target_`)."""
     data: Any = None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Optional
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -76,8 +77,14 @@ def _skip_mode_probe() -> None:
     Hydra.get_mode = lambda self, config_name, overrides: None  # type: ignore[method-assign]
 
 
-def main() -> None:
-    """Entry point; Hydra's own composition errors (bad override syntax, unknown group) exit 2 too."""
+def main(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> None:
+    """Entry point; Hydra's own composition errors (bad override syntax, unknown group) exit 2 too.
+
+    `argv` (overrides and Hydra's flags) stands in for `sys.argv[1:]` and `prog` for `sys.argv[0]`:
+    Hydra reads only `sys.argv`, so `gpujobs submit` passes its arguments there.
+    """
+    if argv is not None:
+        sys.argv = [prog or sys.argv[0], *argv]
     if {"-m", "--multirun"} & set(sys.argv[1:]):
         _skip_mode_probe()
     try:

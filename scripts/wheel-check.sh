@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The wheel as a user gets it: build it, check that it carries conf/ and sbatch_templates/, install it
 # into a new venv (torch first, as the README says), and from a directory outside the checkout run
-# `--cfg job`, the tiny rec job, and a Slurm dry run (single and -m sweep: the gpujobs Hydra plugins must
-# be found in the installed hydra_plugins). Run with the project's environment active; it only builds
-# with it. The dry runs need the test cluster (SLURM_CONF, see scripts/local-slurm.sh): without one they
-# skip with a reason, or fail when CI is set, as the Slurm tests do.
+# `--cfg job` (also through the `gpujobs` console script, after its --help), the tiny rec job, and a
+# Slurm dry run (single and -m sweep: the gpujobs Hydra plugins must be found in the installed
+# hydra_plugins). Run with the project's environment active; it only builds with it. The dry runs need
+# the test cluster (SLURM_CONF, see scripts/local-slurm.sh): without one they skip with a reason, or
+# fail when CI is set, as the Slurm tests do.
 #
 # Wheels come from pip's usual sources (on this machine: a local index and /opt/wheels). pip runs with -qq:
 # errors still print, warnings about the machine's index would bury them.
@@ -70,6 +71,14 @@ EOF
 echo "== wheel: --cfg job"
 "$py" -m gpujobs.submit +experiment=rec --cfg job >cfg.txt || fail "--cfg job exited $?: $(cat cfg.txt)"
 grep -qx "task: jobs.rec.task:build_task" cfg.txt || fail "--cfg job did not print the rec config: $(cat cfg.txt)"
+
+echo "== wheel: the gpujobs command (console script of the installed wheel)"
+"$work/venv/bin/gpujobs" --help >help.txt || fail "gpujobs --help exited $?: $(cat help.txt)"
+for command in submit status logs cancel resubmit cost report; do
+  grep -q "^  $command " help.txt || fail "gpujobs --help does not list $command: $(cat help.txt)"
+done
+"$work/venv/bin/gpujobs" submit +experiment=rec --cfg job >cfg.txt || fail "gpujobs submit --cfg job exited $?: $(cat cfg.txt)"
+grep -qx "task: jobs.rec.task:build_task" cfg.txt || fail "gpujobs submit --cfg job did not print the rec config: $(cat cfg.txt)"
 
 echo "== wheel: the tiny rec job (cluster=local)"
 "$py" -m gpujobs.submit +experiment=rec +debug=tiny cluster=local hydra.run.dir="$work/cwd/run" \

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import stat
 import subprocess
 import sys
@@ -118,6 +119,23 @@ def slurm() -> dict[str, str]:
             reason = f"Slurm commands unavailable: {err}"
     if os.environ.get("CI"):
         pytest.fail(f"CI needs the live Slurm cluster: {reason}")
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def prometheus_tools() -> dict[str, str]:
+    """The paths of Debian's `prometheus` and `promtool` (scripts/test.sh installs them as root).
+
+    Skips when they are missing, except under CI, where a missing one is a failure.
+    """
+    tools = {name: shutil.which(name) for name in ("prometheus", "promtool")}
+    found = {name: path for name, path in tools.items() if path is not None}
+    if len(found) == len(tools):
+        return found
+    missing = " and ".join(name for name in tools if name not in found)
+    reason = f"no {missing} on PATH (scripts/test.sh installs Debian's prometheus package as root)"
+    if os.environ.get("CI"):
+        pytest.fail(f"CI needs a real Prometheus: {reason}")
     pytest.skip(reason)
 
 

@@ -23,7 +23,8 @@ from fake_nvml import FakeGpu, fake_nvml_env
 from jobctl import attempts
 from rich.console import Console
 
-from gpujobs.launch.manage import PointState, attempts_text, status_table
+from gpujobs.launch.manage import PointState
+from gpujobs.launch.status_table import attempts_text, status_table
 from gpujobs.run.quarantine import plan
 from gpujobs.rundir.attempts import AttemptLog
 

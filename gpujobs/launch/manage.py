@@ -14,13 +14,13 @@ import re
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 from gpujobs.errors import GpujobsError
 from gpujobs.rundir import CONFIG_FILE
 from gpujobs.rundir.attempts import AttemptLog
 from gpujobs.rundir.files import read_config, read_submissions, record_cancel
-from gpujobs.rundir.records import EvalRecord, TrainRecord, read_metrics, read_result
+from gpujobs.rundir.records import read_result
 
 #: States after which a job will not run again by itself.
 FINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
@@ -175,80 +175,6 @@ def refresh(points: list[PointState], timeout_s: float = 10.0) -> Optional[str]:
         else:  # a local run, or a job sacct does not list (yet)
             point.state, point.final = state_from_files(point)
     return None
-
-
-def progress(run_dir: Path) -> tuple[str, str]:
-    """(last step, last metric): the result's AUC when there is one, else the last logged loss."""
-    result = read_result(run_dir)
-    # plan and checkpoint records say nothing of how far training got in loss or AUC
-    records = [r for r in read_metrics(run_dir) if isinstance(r, (TrainRecord, EvalRecord))]
-    last = records[-1] if records else None
-    step = result.steps if result is not None and result.steps is not None else last.step if last else ""
-    if result is not None and "auc" in result.metrics:
-        return str(step), f"auc={result.metrics['auc']:.4f}"
-    if isinstance(last, EvalRecord) and "auc" in last.metrics:
-        return str(step), f"auc={last.metrics['auc']:.4f}"
-    return str(step), f"loss={last.loss:.4f}" if isinstance(last, TrainRecord) else ""
-
-
-def attempts_text(run_dir: Path) -> str:
-    """How many attempts ran, why the last one ended, and each one's world size where the ledger has it
-    (`3 (completed) world 4→2→2`; `?` for an attempt recorded without one)."""
-    attempts = AttemptLog(run_dir).read()
-    if not attempts:
-        return "0"
-    text = f"{len(attempts)} ({attempts[-1].reason})"
-    sizes = [str(a.world_size) if a.world_size is not None else "?" for a in attempts]
-    return text if set(sizes) == {"?"} else f"{text} world {'→'.join(sizes)}"
-
-
-def excluded_nodes(run_dir: Path) -> list[str]:
-    """The nodes the run's current Slurm job excludes after hangs or failed health checks (with
-    `cluster.exclude`): the last list its attempts recorded. An earlier job's list does not carry over."""
-    attempts = AttemptLog(run_dir).read()
-    current = attempts[-1].job_id if attempts else None
-    lists = [a.excluded for a in attempts if a.excluded and a.job_id == current]
-    return lists[-1] if lists else []
-
-
-def world_size_now(run_dir: Path) -> str:
-    """The run's world size: the result's once it has one, else that of the attempt whose training
-    records came last (the one running, or the last that ran: the ranks of its last logged window),
-    else the last attempt's; `-` when nothing says."""
-    result = read_result(run_dir)
-    if result is not None and result.world_size is not None:
-        return str(result.world_size)
-    for record in reversed(read_metrics(run_dir)):
-        if isinstance(record, TrainRecord) and record.step_time_s:
-            return str(len(record.step_time_s))
-    attempts = AttemptLog(run_dir).read()
-    return str(attempts[-1].world_size) if attempts and attempts[-1].world_size is not None else "-"
-
-
-def status_table(points: list[PointState]) -> Any:
-    """A rich table: one row per point."""
-    from rich.table import Table
-
-    # Only what tells the points apart: overrides every point shares go in the title.
-    shared = set.intersection(*(set(p.overrides) for p in points)) if len(points) > 1 else set()
-    # below the table, not a column: a node list would squeeze every other column of an 80-column table
-    excluded = [(p, nodes) for p in points if (nodes := excluded_nodes(p.run_dir))]
-    caption = "; ".join(
-        f"{'' if p.num is None else f'#{p.num} '}{', '.join(nodes)}" for p, nodes in excluded
-    )
-    table = Table(title=" ".join(o for o in points[0].overrides if o in shared) or None,
-                  caption=f"excluded nodes: {caption}" if caption else None, caption_justify="left")
-    for column in ("point", "overrides", "job id", "state", "world", "attempts", "step", "metric"):
-        table.add_column(column, overflow="fold")
-    for point in points:
-        step, metric = progress(point.run_dir)
-        own = [o for o in point.overrides if o not in shared]
-        table.add_row(
-            "-" if point.num is None else str(point.num), " ".join(own) or point.run_dir.name,
-            point.job_id or "-", point.state, world_size_now(point.run_dir), attempts_text(point.run_dir), step,
-            metric,
-        )
-    return table
 
 
 def select(points: list[PointState], num: Optional[int]) -> list[PointState]:

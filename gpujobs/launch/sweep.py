@@ -225,7 +225,23 @@ def wait_for(outcomes: list[Outcome]) -> None:
 
 
 def run_plan(plan: SweepPlan) -> list[Outcome]:
-    """Carry out a validated plan: Slurm points as job arrays, the others here, one after another."""
+    """Carry out a validated plan: Slurm points as job arrays, the others here, one after another. Points
+    with `logger=mlflow` first get the sweep's parent run and a child run each (`gpujobs.run.trackers.sweep`)."""
+    if any(p.job.cluster.dry_run for p in plan.points) or not any(p.job.logger.mlflow for p in plan.points):
+        return _carry_out(plan)
+    from gpujobs.run.trackers.sweep import SweepPoint, SweepRuns
+
+    runs = SweepRuns.open(plan.sweep_dir, [SweepPoint(p.num, p.overrides, p.job, p.run_dir) for p in plan.points])
+    try:
+        outcomes = _carry_out(plan)
+    except BaseException:
+        runs.end(ok=False)
+        raise
+    runs.end(ok=not any(o.code for o in outcomes))
+    return outcomes
+
+
+def _carry_out(plan: SweepPlan) -> list[Outcome]:
     from gpujobs.launch import start
 
     slurm = [p for p in plan.points if p.job.cluster.name == "slurm"]
@@ -243,6 +259,8 @@ def run_plan(plan: SweepPlan) -> list[Outcome]:
         if any(p.job.cluster.should_wait for p in slurm):
             wait_for(queued)
         outcomes += queued
+    if others:  # `gpujobs status SWEEP_DIR` reads local points too, also while they run
+        write_sweep_file(plan.sweep_dir, others)
     for point in others:
         print(f"gpujobs: sweep point #{point.num}: {' '.join(point.overrides)}", flush=True)
         outcomes.append(Outcome(point, start(point.job, point.run_dir)))

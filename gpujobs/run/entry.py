@@ -80,6 +80,7 @@ class TrainJob:
         from gpujobs.run.preemption import EXIT_REQUEUED, classify_stop, record_attempt
         from gpujobs.run.rng import seed_everything
         from gpujobs.run.telemetry import Telemetry
+        from gpujobs.run.trackers import open_trackers
         from gpujobs.run.trainer import Trainer
 
         job, run_dir = self.job, Path(self.run_dir)
@@ -110,6 +111,8 @@ class TrainJob:
             health_s = health.gate(job, self.run_dir, info, device, ranks, metrics, attempt.started)
         view = ProgressView(job.trainer.max_steps, job.name, enabled=self.show_progress and info.is_main)
         cleanup.callback(view.close)
+        # rank 0's TensorBoard/MLflow (`logger`): a queue put per record; ended as the attempt ends
+        trackers = cleanup.enter_context(open_trackers(job, run_dir, info.is_main))
         telemetry = Telemetry.start(job, info, ranks, device.type == "cuda", run_dir)
         cleanup.callback(telemetry.close)
         seed_everything(job.trainer.seed)
@@ -124,7 +127,7 @@ class TrainJob:
         cleanup.callback(checkpoints.close)
         attempt.trainer = Trainer(
             job, info, device, attempt.task, checkpoints, metrics,
-            on_step=lambda _, r: view.update(r), telemetry=telemetry, preemption=watcher, heartbeat=attempt.beat,
+            on_step=trackers.on_step(view.update), telemetry=telemetry, preemption=watcher, heartbeat=attempt.beat,
         )
         result = attempt.trainer.fit()
         attempt.beat.phase = "done"  # what follows (a Prometheus linger, the teardown) is no hang

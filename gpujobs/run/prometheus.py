@@ -7,20 +7,30 @@ With `telemetry.prometheus_port=0` the OS picks the port; the URL is always writ
 `<run_dir>/prometheus.json` so a scraper (or a test) can find it. The endpoint listens on
 `telemetry.prometheus_addr` (loopback by default: the metrics name nodes and jobs); listening on
 every interface is logged as a warning.
+
+With `telemetry.prometheus_sd_dir` set, the endpoint is also announced as a Prometheus file_sd target
+(`FileSdTarget`): one JSON file per run in that directory, so a site Prometheus whose
+`file_sd_configs` globs over it finds every job without config edits (monitoring/prometheus/ has the
+scrape config, the alert rules and their tests; monitoring/grafana/ a dashboard over these series).
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import logging
+import os
 import socket
+import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
 from gpujobs.atomic import write_text_atomic
+from gpujobs.nvml import THROTTLE_REASONS
 from gpujobs.run.straggler import Peer
 from gpujobs.rundir import PROMETHEUS_FILE
 
@@ -62,17 +72,50 @@ class PrometheusExporter:
             _RANK_LABELS, registry=reg,
         )
         self.eval = Gauge("gpujobs_eval", "Last evaluation result", ["job", "metric"], registry=reg)
+        # timestamps rather than counters: an alert asks "how long ago", and a stuck job keeps serving them
+        self.started = Gauge("gpujobs_start_timestamp_seconds", "When this attempt's endpoint started (Unix time)",
+                             ["job"], registry=reg)
+        self.progress = Gauge("gpujobs_last_progress_timestamp_seconds",
+                              "When the last training record came (every trainer.log_every steps; Unix time)",
+                              ["job"], registry=reg)
+        self.threshold = Gauge("gpujobs_imbalance_threshold", "telemetry.imbalance_threshold: the straggler line",
+                               ["job"], registry=reg)
+        self.ckpt_time = Gauge("gpujobs_last_checkpoint_timestamp_seconds",
+                               "When the last checkpoint was taken (async: its snapshot; Unix time)", ["job"],
+                               registry=reg)
+        self.ckpt_step = Gauge("gpujobs_last_checkpoint_step", "Step of the last checkpoint", ["job"], registry=reg)
+        self.ckpt_blocking = Gauge("gpujobs_checkpoint_blocking_seconds",
+                                   "Seconds the last checkpoint held up training", ["job"], registry=reg)
         self.gpu = {
             key: Gauge(name, doc, _GPU_LABELS, registry=reg) for key, (name, doc, _) in _GPU_FIELDS.items()
         }
+        self.gpu_held = Gauge("gpujobs_gpu_held", "1 where a rank of the job uses the GPU, 0 where it is only visible",
+                              _GPU_LABELS, registry=reg)
+        self.throttle = Gauge("gpujobs_gpu_throttle", "1 while NVML reports the clock event reason, else 0",
+                              [*_GPU_LABELS, "reason"], registry=reg)
         self._server: Any = None
+        self.target: Optional[FileSdTarget] = None
 
-    def start(self, port: int, addr: str, run_dir: Path) -> str:
+    def start(
+        self,
+        port: int,
+        addr: str,
+        run_dir: Path,
+        sd_dir: Optional[Path] = None,
+        labels: Optional[dict[str, str]] = None,
+        imbalance_threshold: Optional[float] = None,
+    ) -> str:
         """Serve on `addr`:`port` (0: a free port); write the URL to prometheus.json; return the URL.
 
         The URL names the address the socket is bound to ("localhost" becomes 127.0.0.1), or the
         node's host name when it listens on every interface (a wildcard is no address to scrape).
+        With `sd_dir`, the endpoint is also written there as a file_sd target until `close`, labelled
+        with `labels` (rank 0's node, the Slurm job id) plus the job name (`job`) and the run dir
+        (`run_dir`); Prometheus attaches a target's labels to every series scraped from it.
         """
+        self.started.labels(self.job_name).set_to_current_time()
+        if imbalance_threshold is not None:
+            self.threshold.labels(self.job_name).set(imbalance_threshold)
         # "" means every interface, as in socket.bind; prometheus_client cannot resolve it
         server, _ = start_http_server(port, addr=addr or "0.0.0.0", registry=self.registry)
         self._server = server
@@ -89,16 +132,32 @@ class PrometheusExporter:
                 "job": self.job_name}
         write_text_atomic(run_dir / PROMETHEUS_FILE, json.dumps(info) + "\n")
         log.info("Prometheus metrics at %s", url)
+        if sd_dir is not None:
+            if bound.startswith("127.") or bound == "::1":
+                log.warning("the file_sd target %s:%d is loopback: only a Prometheus on this node can scrape it "
+                            "(telemetry.prometheus_addr=0.0.0.0 lets a site Prometheus in)", host, server.server_port)
+            self.target = FileSdTarget(sd_dir, self.job_name, run_dir)
+            own = {"job": self.job_name, "run_dir": str(Path(run_dir).resolve())}
+            self.target.write(f"{host}:{server.server_port}", {**(labels or {}), **own})
         return url
 
     def observe(self, record: dict[str, Any]) -> None:
-        """Update the gauges from a metrics record (train or eval)."""
+        """Update the gauges from a metrics record (train, eval or checkpoint; other kinds are not served)."""
         job = self.job_name
-        if record.get("kind") == "eval":
+        kind = record.get("kind")
+        if kind == "eval":
             for key, value in record.items():
                 if key not in ("kind", "step", "time") and isinstance(value, (int, float)):
                     self.eval.labels(job, key).set(value)
             return
+        if kind == "checkpoint":
+            self.ckpt_time.labels(job).set_to_current_time()
+            self.ckpt_step.labels(job).set(record["step"])
+            self.ckpt_blocking.labels(job).set(record["blocking_s"])
+            return
+        if kind != "train":
+            return
+        self.progress.labels(job).set_to_current_time()
         self.step.labels(job).set(record["step"])
         self.loss.labels(job).set(record["loss"])
         self.samples.labels(job).set(record["samples_per_s"])
@@ -117,13 +176,22 @@ class PrometheusExporter:
             for key, (_, _, scale) in _GPU_FIELDS.items():
                 if key in sample:
                     self.gpu[key].labels(*labels).set(sample[key] * scale)
+            self.gpu_held.labels(*labels).set(0 if sample.get("rank") is None else 1)
+            if "throttle" in sample:
+                # every known reason, 0 or 1: a reason that clears reads 0 rather than going stale
+                active = set(sample["throttle"])
+                for reason in THROTTLE_REASONS.values():
+                    self.throttle.labels(*labels, reason).set(1 if reason in active else 0)
 
     def close(self, linger_s: float = 0.0) -> None:
-        """Stop serving, after `linger_s` seconds so a last scrape sees the final values."""
+        """Stop serving, after `linger_s` seconds so a last scrape sees the final values; withdraw the target."""
         if self._server is None:
             return
         if linger_s > 0:
             time.sleep(linger_s)
+        if self.target is not None:  # first: a Prometheus that still finds the target would scrape a closed port
+            self.target.remove()
+            self.target = None
         self._server.shutdown()
         self._server.server_close()
         self._server = None
@@ -131,3 +199,64 @@ class PrometheusExporter:
     def _rank_labels(self, rank: int) -> tuple[str, str, str, str]:
         peer = self.peers[rank] if rank < len(self.peers) else Peer(rank, "?", "?")
         return self.job_name, str(rank), peer.node, peer.gpu
+
+
+class FileSdTarget:
+    """The endpoint as a Prometheus file_sd target: `<sd_dir>/gpujobs-<job>-<run dir hash>.json`.
+
+    The directory may be shared by many users' jobs, so nothing here trusts a name in it: the file is
+    written under a fresh random name (`mkstemp`: O_CREAT | O_EXCL | O_NOFOLLOW, so a planted file or
+    symlink is never opened), made 0644 for the Prometheus user to read, fsynced, then renamed over
+    the target name, which replaces whatever is there (a symlink included) without following it. A
+    requeued attempt of the same run writes the same name. `remove` unlinks the file only if it is
+    still the one written here. A failure is logged and the job carries on without a target.
+    """
+
+    def __init__(self, sd_dir: Path, job_name: str, run_dir: Path) -> None:
+        digest = hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:16]
+        # the job name is checked at submit (letters, digits, _.-): safe in a file name
+        self.path = Path(sd_dir) / f"gpujobs-{job_name}-{digest}.json"
+        self._written: Optional[tuple[int, int]] = None  # (st_dev, st_ino) of the file this process wrote
+
+    def write(self, address: str, labels: dict[str, str]) -> bool:
+        """Announce `address` ("host:port") with `labels` (empty values left out); False if it could not."""
+        entry = [{"targets": [address], "labels": {k: v for k, v in sorted(labels.items()) if v}}]
+        tmp = None
+        try:
+            # not *.json: a Prometheus globbing the directory never reads a half-written file
+            fd, tmp = tempfile.mkstemp(prefix=".gpujobs-", suffix=".tmp", dir=self.path.parent)
+            with os.fdopen(fd, "w") as handle:
+                os.fchmod(fd, 0o644)  # mkstemp makes 0600; the umask plays no part in fchmod
+                handle.write(json.dumps(entry, indent=2) + "\n")
+                handle.flush()
+                os.fsync(fd)
+                info = os.fstat(fd)
+            os.replace(tmp, self.path)
+            tmp = None
+        except OSError as err:
+            log.warning("could not write the Prometheus file_sd target %s (%s): a site Prometheus will not "
+                        "find this job", self.path, err)
+            return False
+        finally:
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+        self._written = (info.st_dev, info.st_ino)
+        log.info("Prometheus file_sd target %s: %s", self.path, address)
+        return True
+
+    def remove(self) -> None:
+        """Withdraw the target, unless the file is no longer the one written here (then leave it, logged)."""
+        if self._written is None:
+            return
+        try:
+            info = os.lstat(self.path)
+            if (info.st_dev, info.st_ino) != self._written:
+                log.warning("%s was replaced by someone else: left in place", self.path)
+            else:
+                os.unlink(self.path)
+        except FileNotFoundError:
+            log.warning("the Prometheus file_sd target %s was already gone", self.path)
+        except OSError as err:
+            log.warning("could not remove the Prometheus file_sd target %s: %s", self.path, err)
+        self._written = None

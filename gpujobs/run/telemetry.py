@@ -15,6 +15,7 @@ from typing import Any, Optional
 from gpujobs.config import JobConfig, TelemetryConfig
 from gpujobs.run.gpu_sampler import GpuSampler
 from gpujobs.run.jobenv import DistInfo
+from gpujobs.run.preemption import slurm_job_id
 from gpujobs.run.prometheus import PrometheusExporter
 from gpujobs.run.straggler import Peer, StragglerCheck
 from gpujobs.rundir import GPU_FILE
@@ -52,7 +53,11 @@ class Telemetry:
         self = cls(cfg, info, peers, job.trainer.balance)
         if info.is_main and cfg.prometheus_port is not None:
             self.exporter = PrometheusExporter(job.name, peers)
-            self.exporter.start(cfg.prometheus_port, cfg.prometheus_addr, run_dir)
+            sd_dir = Path(cfg.prometheus_sd_dir) if cfg.prometheus_sd_dir is not None else None
+            # the Slurm id only under Slurm: a local run inside an allocation is no Slurm job of its own
+            labels = {"node": info.node, "slurm_job_id": (slurm_job_id() or "") if job.cluster.name == "slurm" else ""}
+            self.exporter.start(cfg.prometheus_port, cfg.prometheus_addr, run_dir, sd_dir, labels,
+                                cfg.imbalance_threshold)
         if info.local_rank == 0 and cfg.gpu:
             on_node = {p.cuda_index: p.rank for p in peers if p.node == info.node and p.cuda_index is not None}
             sink = self.exporter.observe_gpus if self.exporter is not None else None
@@ -73,7 +78,8 @@ class Telemetry:
             time.sleep(self.slow_s)
 
     def step(self, record: dict[str, Any]) -> None:
-        """A metrics record is about to be written: annotate train records, feed the endpoint."""
+        """A metrics record is about to be written: annotate train records, feed the endpoint (train, eval
+        and checkpoint records: the alerts ask how long ago the last step and the last checkpoint were)."""
         if record.get("kind") == "train":
             self.straggler.check(record)
         if self.exporter is not None:

@@ -199,6 +199,7 @@ class Trainer:
 
     def _record_save(self, background: bool, blocking_s: float) -> None:
         record = {"kind": "checkpoint", "step": self.step, "async": background, "blocking_s": round(blocking_s, 6)}
+        self.telemetry.step(record)
         self.metrics.write(record)
 
     # ------------------------------------------------------------------ loop

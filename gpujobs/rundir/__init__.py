@@ -13,6 +13,7 @@ A run dir is shared by every attempt of its job (requeues, restarts, a hand-run 
     lease.json         the job that runs the run dir (`lease`)
     submit.sbatch      the script that queues the run dir alone
     prometheus.json    where the Prometheus endpoint listens
+    tracker.json       the experiment trackers' run of this run dir (MLflow run id, TensorBoard log dir)
     reruns/<job id>/   runs of a completed run dir's submit.sbatch queued again
     heartbeat/         rank_<N>.json: each rank's step and phase, rewritten every second (the watchdog reads them)
     hangs/<attempt>/   a hung attempt's evidence: every rank's stacks, NCCL's flight recorder, NVML
@@ -39,6 +40,7 @@ SUBMISSIONS_FILE = "slurm_jobs.jsonl"
 LEASE_FILE = "lease.json"
 SBATCH_FILE = "submit.sbatch"
 PROMETHEUS_FILE = "prometheus.json"
+TRACKER_FILE = "tracker.json"
 RERUNS_DIR = "reruns"
 HEARTBEAT_DIR = "heartbeat"
 HANGS_DIR = "hangs"
@@ -46,5 +48,5 @@ HANGS_DIR = "hangs"
 __all__ = [
     "ATTEMPTS_FILE", "CHECKPOINT_DIR", "CONFIG_FILE", "GPU_FILE", "HANGS_DIR", "HEARTBEAT_DIR", "LEASE_FILE",
     "MARKER", "METRICS_FILE", "PROMETHEUS_FILE", "RERUNS_DIR", "RESULT_FILE", "SBATCH_FILE", "STEP_PREFIX",
-    "SUBMISSIONS_FILE", "read_jsonl",
+    "SUBMISSIONS_FILE", "TRACKER_FILE", "read_jsonl",
 ]
