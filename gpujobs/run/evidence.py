@@ -55,21 +55,22 @@ def nccl_debug_env(run_dir: Path, entries: int) -> dict[str, str]:
     }
 
 
+def _state(pid: int) -> str:
+    """`pid`'s state letter in /proc (R, S, T, Z, ...), or "" when there is no such process."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
 def alive(pid: int) -> bool:
     """Whether `pid` is a process that is not a zombie (`kill -0` succeeds on zombies)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return False
-    return fields[0] not in ("Z", "X")
+    return _state(pid) not in ("", "Z", "X")
 
 
 def stopped(pid: int) -> bool:
     """Whether `pid` is stopped (SIGSTOP, or a debugger)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("T", "t")
-    except (OSError, IndexError):
-        return False
+    return _state(pid) in ("T", "t")
 
 
 def local_ranks(ranks: dict[int, dict[str, Any]]) -> dict[int, int]:
