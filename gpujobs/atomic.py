@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Optional
@@ -49,18 +50,38 @@ def fsync_batch() -> Iterator[FsyncBatch]:
     batch.sync()
 
 
+def _create_temp(path: Path) -> tuple[int, Path]:
+    """A new file beside `path`, under a name nobody can guess or have planted.
+
+    `O_EXCL | O_NOFOLLOW` never opens what is already there (a file, or a link to one elsewhere);
+    mode 0666 less the umask, as `open` would give.
+    """
+    while True:
+        tmp = path.with_name(f".{path.name}.tmp-{secrets.token_hex(8)}")
+        try:
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+            return os.open(tmp, flags, 0o666), tmp
+        except FileExistsError:
+            continue
+
+
 def write_text_atomic(path: Path, text: str, batch: Optional[FsyncBatch] = None) -> None:
     """Replace `path` with `text`: readers see the old file or the new one, never a part.
 
-    Durable on return, or, given a `batch`, once the batch is synced.
+    Durable on return, or, given a `batch`, once the batch is synced. A write that fails (a full
+    disk) leaves the old file and no temp file behind.
     """
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as handle:
-        handle.write(text)
-        if batch is None:
-            handle.flush()
-            os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    fd, tmp = _create_temp(path)
+    try:
+        with open(fd, "w") as handle:
+            handle.write(text)
+            if batch is None:
+                handle.flush()
+                os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     if batch is None:
         fsync_path(path.parent)
     else:
@@ -91,6 +112,40 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     except FileNotFoundError:
         return []
     return [record for line in data.splitlines() if (record := jsonl_record(line)) is not None]
+
+
+class JsonlTail:
+    """The records appended to a JSON-lines file, as they arrive (`poll`).
+
+    A line is taken once it ends with a newline: one still being written is read when complete; a
+    complete line that is no JSON object is skipped. A file that shrank was replaced: it is read anew.
+    """
+
+    def __init__(self, path: Path, from_end: bool = False) -> None:
+        self.path = path
+        self._offset = 0
+        if from_end:  # only what is appended from now on
+            with contextlib.suppress(OSError):
+                self._offset = path.stat().st_size
+
+    def poll(self) -> Iterator[dict[str, Any]]:
+        """New complete records since the last call."""
+        try:
+            handle = open(self.path, "rb")  # noqa: SIM115 (closed below; bytes: the offset counts bytes)
+        except FileNotFoundError:
+            return
+        with handle:
+            if handle.seek(0, os.SEEK_END) < self._offset:
+                self._offset = 0
+            handle.seek(self._offset)
+            while True:
+                line = handle.readline()
+                if not line.endswith(b"\n"):  # a half-written line: read it next time
+                    break
+                self._offset += len(line)
+                record = jsonl_record(line)
+                if record is not None:
+                    yield record
 
 
 def append_jsonl(path: Path, record: dict[str, Any], durable: bool = False) -> None:

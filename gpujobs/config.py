@@ -16,7 +16,12 @@ import typing
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException
+from omegaconf.errors import (
+    ConfigKeyError,
+    InterpolationResolutionError,
+    MissingMandatoryValue,
+    OmegaConfBaseException,
+)
 
 from gpujobs.errors import ConfigError
 from gpujobs.schema import (
@@ -224,9 +229,22 @@ def _logger(values: Any) -> LoggerConfig:
                            for name, section in values.items()})
 
 
+def _resolved(cfg: DictConfig) -> Any:
+    """The config as plain values, its interpolations resolved; one that does not resolve is a ConfigError."""
+    try:
+        return OmegaConf.to_container(cfg, resolve=True)
+    except InterpolationResolutionError as err:
+        key = err.full_key or "?"
+        written: Any = OmegaConf.to_container(cfg, resolve=False)  # the value as written, e.g. '${oops}'
+        for part in key.split("."):
+            written = written.get(part) if isinstance(written, dict) else None
+        reason = (err.msg or str(err)).splitlines()[0]
+        raise ConfigError(key, written, f"an interpolation that resolves ({reason})") from None
+
+
 def load_config(cfg: DictConfig | dict[str, Any]) -> JobConfig:
     """Validate a composed config and return it as typed objects. Raises ConfigError."""
-    raw: Any = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
+    raw: Any = _resolved(cfg) if isinstance(cfg, DictConfig) else dict(cfg)
     raw.pop("hydra", None)
     known = {f.name for f in dataclasses.fields(JobConfig)}
     for key in raw:

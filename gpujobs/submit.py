@@ -6,14 +6,19 @@ This module never imports torch: the job side does that, in its own processes.
 
 from __future__ import annotations
 
+import os
 import sys
+import traceback
 from pathlib import Path
 from typing import Optional
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import HydraException
 from omegaconf import DictConfig
+from omegaconf.errors import OmegaConfBaseException
 
+from gpujobs.compose_errors import one_line
 from gpujobs.errors import ConfigError, GpujobsError
 from gpujobs.launch.sweep import PLANS_SWEEP_POINTS
 from gpujobs.resources import config_dir
@@ -87,12 +92,28 @@ def main(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> None:
         sys.argv = [prog or sys.argv[0], *argv]
     if {"-m", "--multirun"} & set(sys.argv[1:]):
         _skip_mode_probe()
+    # Hydra raises its composition errors instead of printing them on several lines; they are reported
+    # below, one line each. A user's own HYDRA_FULL_ERROR keeps Hydra's full traceback.
+    ours = "HYDRA_FULL_ERROR" not in os.environ
+    if ours:
+        os.environ["HYDRA_FULL_ERROR"] = "1"
     try:
         _submit()
     except SystemExit as exit_:
         if exit_.code == 1 and not _task_started:
             raise SystemExit(EXIT_REFUSED) from None
         raise
+    except (HydraException, OmegaConfBaseException) as err:
+        if _task_started:
+            raise
+        if ours:
+            print(f"gpujobs: config error: {one_line(err, sys.argv[1:])}", file=sys.stderr)
+        else:
+            traceback.print_exc()
+        raise SystemExit(EXIT_REFUSED) from None
+    finally:
+        if ours:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
 
 
 if __name__ == "__main__":

@@ -39,11 +39,10 @@ def small_disk(path: Path, size: str) -> Iterator[Path]:
 def fill(directory: Path) -> Path:
     """Write into `directory` until its filesystem says ENOSPC; returns the filler file."""
     filler = directory / "filler"
-    with open(filler, "wb") as handle:
+    with open(filler, "wb", buffering=0) as handle:  # unbuffered: nothing is left to fail at close
         try:
             while True:
                 handle.write(b"\0" * 65536)
-                handle.flush()
         except OSError as err:
             assert err.errno == 28, err
     return filler

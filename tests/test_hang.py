@@ -103,8 +103,9 @@ def test_a_hung_rank_on_slurm_requeues_on_the_other_node(
     sick = hung["node"]
     assert sick in ("node1", "node2") and hung["excluded"] == [sick], hung
     assert not any(alive(pid) for pid in ranks.values())
-    for rank in (0, 1):
-        assert "train_step" in (Path(hung["evidence"]) / f"rank_{rank}.txt").read_text()
+    for rank in (0, 1):  # a real Python stack of the training loop (rank 0 waits in whichever collective)
+        text = (Path(hung["evidence"]) / f"rank_{rank}.txt").read_text()
+        assert "Trainer.fit" in text or " in fit" in text, text  # py-spy's frame, or faulthandler's
 
     env = {**os.environ, **slurm}
     runs = subprocess.run(["sacct", "-X", "--duplicates", "-n", "-P", "-j", job_id, "-o", "NodeList,State"],

@@ -57,6 +57,7 @@ def test_killed_rank_restarts_from_the_checkpoint(tmp_path: Path, straight_diges
     first, second = attempts(run_dir)
     assert first["reason"] == "failed" and first["requeue"] is True
     assert "remote worker" in first["error"]  # gloo names the peer that went away
+    assert "culprit_rank" not in first  # a killed rank leaves no error: rank 0's echo blames nobody
     assert second["reason"] == "completed" and second["resumed_from"].endswith("step_00000020")
     assert read_result(run_dir)["param_digest"] == straight_digest
 

@@ -37,7 +37,7 @@ from gpujobs.errors import ConfigError
 from gpujobs.run.jobenv import DistInfo
 from gpujobs.run.prometheus import FileSdTarget, PrometheusExporter
 from gpujobs.run.telemetry import Telemetry
-from gpujobs.rundir import PROMETHEUS_FILE
+from gpujobs.rundir import GPU_FILE, PROMETHEUS_FILE
 
 MONITORING = REPO / "monitoring"
 RULES = MONITORING / "prometheus" / "gpujobs.rules.yml"
@@ -328,6 +328,40 @@ def test_gpu_held_and_throttle_reasons_read_0_or_1_and_a_cleared_reason_reads_0(
     assert set(reasons(first)) == {"applications_clocks", "sw_power_cap", "hw_slowdown", "sync_boost",
                                    "sw_thermal", "hw_thermal", "hw_power_brake", "display_clocks"}
     assert reasons(cleared)["hw_thermal"] == 0  # cleared, not stale
+
+
+def test_rank_0_serves_the_gpus_of_every_node_from_their_samplers_file(tmp_path: Path) -> None:
+    """Each node's sampler appends to the run dir's gpu.jsonl; rank 0's endpoint follows it for the others."""
+    job = compose_job("+experiment=rec", "+debug=tiny", "cluster=local", "telemetry.prometheus_port=0",
+                      "telemetry.gpu=true", "telemetry.interval_s=0.2")
+    gpu_file = tmp_path / GPU_FILE
+    stale = {"node": "node2", "rank": 1, "gpu": 0, "uuid": "GPU-old", "util_pct": 5, "time": 1.0}
+    gpu_file.write_text(json.dumps(stale) + "\n")  # an earlier attempt's: not served
+    info = DistInfo(rank=0, local_rank=0, world_size=2, local_world_size=1, master_addr="node1", master_port=1,
+                    node="node1")
+    ranks = [{"rank": 0, "local_rank": 0, "node": "node1"}, {"rank": 1, "local_rank": 0, "node": "node2"}]
+    telemetry = Telemetry.start(job, info, ranks, False, tmp_path)  # no NVML here: node1's own sampler is off
+    try:
+        url = json.loads((tmp_path / PROMETHEUS_FILE).read_text())["url"]
+        other = {"node": "node2", "rank": 1, "gpu": 0, "uuid": "GPU-n2", "util_pct": 77, "time": time.time()}
+        with open(gpu_file, "a") as handle:  # as node2's sampler writes a sample: one flushed write
+            handle.write(json.dumps(other) + "\n" + json.dumps({**other, "node": "node1", "uuid": "GPU-n1"}) + "\n")
+        deadline = time.monotonic() + 10
+        while True:
+            with urllib.request.urlopen(url, timeout=5) as response:
+                text = response.read().decode()
+            served = {s.labels.get("uuid"): s for f in text_string_to_metric_families(text) for s in f.samples
+                      if s.name == "gpujobs_gpu_utilization_percent"}
+            if "GPU-n2" in served or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert "GPU-n2" in served, text
+        assert served["GPU-n2"].labels["node"] == "node2" and served["GPU-n2"].labels["rank"] == "1"
+        assert served["GPU-n2"].value == 77
+        assert "GPU-old" not in served  # written before this attempt began
+        assert "GPU-n1" not in served  # rank 0's own node reaches the endpoint from its own sampler only
+    finally:
+        telemetry.close()
 
 
 # ---------------------------------------------------------------- the file_sd directory's safety

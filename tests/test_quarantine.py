@@ -151,4 +151,6 @@ def test_a_node_the_job_cannot_spare_stops_it_with_one_line(tmp_path: Path, slur
     assert line["why"] == ("not requeued: node1 excluded after a failed health check: only node2 is left in "
                            "partition debug, the job needs 2 nodes"), line
     assert "excluded" not in line, line
-    assert sacct_state(slurm_job_id(proc.stdout), slurm) == "FAILED"
+    job_id = slurm_job_id(proc.stdout)
+    assert sacct_state(job_id, slurm) == "FAILED"
+    assert f"gpujobs: job {job_id} ended: unhealthy, {line['why']}" in proc.stdout, proc.stdout  # not srun's 75

@@ -31,6 +31,19 @@ def test_torchrun_style_script_runs_on_two_local_ranks(run_dir: Path) -> None:
     assert result["kind"] == "script" and result["world_size"] == 2
 
 
+def test_a_rank_that_fails_first_is_the_one_the_ledger_names(run_dir: Path) -> None:
+    """Rank 1 raises; rank 0 fails after it, in the all-reduce rank 1 never joins. The attempt's line
+    says rank 1's failure, not rank 0's echo of it."""
+    proc = submit(run_dir, "cluster=local", "resources.procs_per_node=2", f"+script.path={SCRIPT}",
+                  "+script.args=[--fail-rank,1]")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    (line,) = attempts(run_dir)
+    assert line["reason"] == "failed" and line["recorded_by"] == "rank 0", line
+    assert line["culprit_rank"] == 1 and line["node"] == os.uname().nodename, line
+    assert line["error"] == f"rank 1: {SCRIPT} exited with code 1", line
+    assert f"last error: rank 1: {SCRIPT} exited with code 1" in proc.stdout, proc.stdout
+
+
 def test_missing_script_is_refused(run_dir: Path) -> None:
     proc = submit(run_dir, "cluster=local", "+script.path=/nowhere/train.py")
     assert proc.returncode == 2

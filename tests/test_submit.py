@@ -43,6 +43,36 @@ def test_bad_config_one_line_exit_2_no_run_dir(run_dir: Path, override: str) -> 
     assert not run_dir.exists()
 
 
+@pytest.mark.parametrize(
+    ("override", "names"),
+    [
+        ("+experiment=nope", ["experiment='nope'", "rec"]),  # Hydra's own errors: several lines, before
+        ("optim=nope", ["optim='nope'", "adam"]),
+        ("optim.lrr=0.1", ["optim.lrr='0.1'", "weight_decay"]),
+        ("model.nope.deeper=3", ["model.nope.deeper='3'", "embedding_dim"]),
+        ("optim.lr=[1", ["optim.lr=[1", "does not parse"]),
+        ("+optim.lr=3", ["optim.lr"]),
+        ("~optim.zzz", ["optim.zzz"]),
+        ("optim.lr=${oops}", ["optim.lr='${oops}'", "oops"]),  # a traceback and exit 1, before
+        ("hydra.run.dir=${now:}", ["hydra.run.dir"]),  # an error in Hydra's error report, before
+    ],
+)
+def test_a_bad_override_is_one_line_naming_it(run_dir: Path, override: str, names: list[str]) -> None:
+    proc = submit(run_dir, "+experiment=rec", "cluster=local", override)
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("gpujobs: config error: "), proc.stderr
+    assert all(name in lines[0] for name in names), lines[0]
+    assert "Traceback" not in proc.stderr + proc.stdout and "HYDRA_FULL_ERROR" not in proc.stderr
+    assert not run_dir.exists()
+
+
+def test_hydra_full_error_still_gives_the_whole_traceback(run_dir: Path) -> None:
+    proc = submit(run_dir, "+experiment=rec", "optim.lrr=0.1", env={"HYDRA_FULL_ERROR": "1"})
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" in proc.stderr and "ConfigCompositionException" in proc.stderr
+
+
 def test_a_nccl_variable_set_twice_is_refused_naming_both_keys(run_dir: Path) -> None:
     proc = submit(run_dir, "+experiment=rec", "cluster=local", "nccl.ib_disable=true", "+nccl.extra.NCCL_IB_DISABLE=0")
     assert proc.returncode == 2, proc.stderr

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Optional
 
-from gpujobs.atomic import jsonl_record
+from gpujobs.atomic import JsonlTail
 from gpujobs.config import JobConfig
 from gpujobs.progress import ProgressView
 from gpujobs.rundir import METRICS_FILE, RESULT_FILE
@@ -18,34 +17,16 @@ _POLL_S = 0.25
 
 
 class MetricsFollower:
-    """Reads the records rank 0 appends to metrics.jsonl, as they arrive.
-
-    A line is taken once it ends with a newline: one still being written (or torn by a crash and later
-    completed by hand) is read when complete; a complete line that is no metrics record is skipped.
-    """
+    """Reads the records rank 0 appends to metrics.jsonl, as they arrive (`atomic.JsonlTail`): a line
+    once complete, and only metrics records (with a step)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._offset = 0
+        self._tail = JsonlTail(path)
 
     def poll(self) -> Iterator[dict[str, Any]]:
         """New complete records since the last call."""
-        try:
-            handle = open(self.path, "rb")  # noqa: SIM115 (closed below; bytes: the offset counts bytes)
-        except FileNotFoundError:
-            return
-        with handle:
-            if handle.seek(0, os.SEEK_END) < self._offset:  # the file was replaced: read the new one whole
-                self._offset = 0
-            handle.seek(self._offset)
-            while True:
-                line = handle.readline()
-                if not line.endswith(b"\n"):  # a half-written line: read it next time
-                    break
-                self._offset += len(line)
-                record = jsonl_record(line)
-                if record is not None and isinstance(record.get("step"), int):
-                    yield record
+        return (record for record in self._tail.poll() if isinstance(record.get("step"), int))
 
 
 class JobFollower:

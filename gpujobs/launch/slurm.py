@@ -22,6 +22,7 @@ from gpujobs.errors import SubmitError
 from gpujobs.launch.sbatch import job_command, render_sbatch, sbatch_request
 from gpujobs.rundir import SBATCH_FILE, lease
 from gpujobs.rundir.files import record_submission
+from gpujobs.rundir.records import read_attempts
 
 
 class GpujobsSlurmExecutor(submitit.SlurmExecutor):
@@ -108,6 +109,16 @@ def run_slurm(job: JobConfig, run_dir: Path) -> int:
     with JobFollower(run_dir, job) as follower:
         error = follower.follow(sjob)
     if error is not None:
-        print(f"gpujobs: job {sjob.job_id} failed: {error}\ngpujobs: per-rank logs in {run_dir / job.cluster.folder}")
+        print(f"gpujobs: job {sjob.job_id} {_ending(run_dir, str(sjob.job_id), error)}")
+        print(f"gpujobs: per-rank logs in {run_dir / job.cluster.folder}")
         return 1
     return 0
+
+
+def _ending(run_dir: Path, job_id: str, error: str) -> str:
+    """How a followed job ended: its last ledger line's reason and why (srun's line only says that the
+    ranks exited, 75 where the job chose not to go again), or srun's line where the job wrote none."""
+    last = next((a for a in reversed(read_attempts(run_dir)) if a.job_id == job_id), None)
+    if last is None or last.requeue or last.reason == "completed":  # not this ending's line
+        return f"failed: {error}"
+    return f"ended: {last.reason}, {last.why}" + (f"; last error: {last.error}" if last.error else "")

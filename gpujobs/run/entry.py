@@ -50,7 +50,7 @@ class TrainJob:
         logging.basicConfig(level=logging.INFO, format="[%(asctime)s][rank %(rank)s] %(message)s")
         info = jobenv.detect(self.master_port)
         _tag_log_records(info.rank)
-        attempt = _Attempt(self.job, self.run_dir, info.is_main, started)
+        attempt = _Attempt(self.job, self.run_dir, info, started)
         with contextlib.ExitStack() as cleanup:
             cleanup.callback(watcher.uninstall)
             attempt.beat = self._heartbeat(info)
@@ -156,7 +156,8 @@ class _Attempt:
 
     job: JobConfig
     run_dir: str
-    is_main: bool
+    info: Any
+    """This rank's place (`jobenv.DistInfo`)."""
     started: float
     trainer: Any = None
     task: Any = None
@@ -164,20 +165,26 @@ class _Attempt:
     """This rank's heartbeat (`gpujobs.run.heartbeat`)."""
 
     def failed(self, err: Exception) -> None:
-        """Rank 0: record the failed attempt (and requeue, if its budget allows)."""
-        if not self.is_main:
+        """Every rank: leave this rank's error (`gpujobs.run.failures`). Rank 0: record the failed attempt
+        with the error that came first, its rank and node (and requeue, if its budget allows)."""
+        from gpujobs.run import failures
+
+        message = str(err).strip().splitlines()
+        error = f"{type(err).__name__}: {message[0] if message else ''}"
+        own = failures.RankFailure(self.info.rank, self.info.node, error, time.time())
+        failures.leave(Path(self.run_dir), own)
+        if not self.info.is_main:
             return
         from gpujobs.run.preemption import record_attempt
 
-        message = str(err).strip().splitlines()
         trainer = self.trainer
         progress = {} if trainer is None else {
             "steps_done": trainer.step, "resumed_from": trainer.resumed_from, "resume_skipped": trainer.resume_skipped,
             "world_size": trainer.info.world_size, "trained_from": trainer.trained_from,
         }
-        error = f"{type(err).__name__}: {message[0] if message else ''}"
+        blamed = failures.attempt_fields(Path(self.run_dir), self.info.world_size, own)
         try:
-            record_attempt(self.run_dir, self.job, "failed", start=round(self.started, 3), error=error, **progress)
+            record_attempt(self.run_dir, self.job, "failed", start=round(self.started, 3), **blamed, **progress)
         except Exception as record_err:  # never hide the real failure behind this one
             log.error("could not record the failed attempt: %s", record_err)
 

@@ -64,9 +64,14 @@ class ScriptJob:
                 record_attempt(self.run_dir, self.job, reason, **line)
             raise SystemExit(EXIT_REQUEUED)  # like the trainer: no result, the job is not over
         if code != 0:
+            from gpujobs.run import failures
+
             error = f"{script.path} exited with code {code} on rank {info.rank}"
-            if info.is_main:
-                record_attempt(self.run_dir, self.job, "failed", **line, error=error)
+            own = failures.RankFailure(info.rank, info.node, f"{script.path} exited with code {code}", time.time())
+            failures.leave(Path(self.run_dir), own)
+            if info.is_main:  # the rank that failed first, if not this one (its peers fail of it)
+                blamed = failures.attempt_fields(Path(self.run_dir), info.world_size, own)
+                record_attempt(self.run_dir, self.job, "failed", **line, **blamed)
             raise RuntimeError(error)
         result = {
             "status": "completed",

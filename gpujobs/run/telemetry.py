@@ -8,12 +8,14 @@ the entry gathers once at start.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from pathlib import Path
 from typing import Any, Optional
 
+from gpujobs.atomic import JsonlTail
 from gpujobs.config import JobConfig, TelemetryConfig
-from gpujobs.run.gpu_sampler import GpuSampler
+from gpujobs.run.gpu_sampler import GpuSampler, SampleSink
 from gpujobs.run.jobenv import DistInfo
 from gpujobs.run.preemption import slurm_job_id
 from gpujobs.run.prometheus import PrometheusExporter
@@ -39,6 +41,7 @@ class Telemetry:
         self.straggler = StragglerCheck(self.cfg.imbalance_threshold, peers or [], warn=rank == 0, balance=balance)
         self.exporter: Optional[PrometheusExporter] = None
         self.sampler: Optional[GpuSampler] = None
+        self.other_nodes: Optional[OtherNodesGpus] = None
 
     @classmethod
     def start(
@@ -64,6 +67,8 @@ class Telemetry:
             self.sampler = GpuSampler(run_dir / GPU_FILE, cfg.interval_s, info.node, on_node, sink)
             if not self.sampler.start():
                 self.sampler = None
+        if self.exporter is not None and cfg.gpu and len({p.node for p in peers}) > 1:
+            self.other_nodes = OtherNodesGpus(run_dir / GPU_FILE, info.node, self.exporter.observe_gpus, cfg.interval_s)
         if self.slow_s:
             log.warning("debug: rank %d sleeps %.0f ms every step (telemetry.debug_slow_rank)", info.rank,
                         cfg.debug_slow_ms)
@@ -86,10 +91,49 @@ class Telemetry:
             self.exporter.observe(record)
 
     def close(self) -> None:
-        """Stop the sampler and the endpoint (after `prometheus_linger_s`)."""
+        """Stop the samplers and the endpoint (after `prometheus_linger_s`)."""
+        if self.other_nodes is not None:
+            self.other_nodes.stop()
+            self.other_nodes = None
         if self.sampler is not None:
             self.sampler.stop()
             self.sampler = None
         if self.exporter is not None:
             self.exporter.close(self.cfg.prometheus_linger_s)
             self.exporter = None
+
+
+class OtherNodesGpus:
+    """Rank 0's endpoint serves every node's GPUs: the other nodes' samplers append to the run dir's
+    gpu.jsonl, which a thread here follows (every `interval_s`), passing their samples to `sink`.
+
+    Rank 0's own node reaches the endpoint straight from its sampler; the others' samples arrive within
+    one interval of being written. Only samples written from now on count (an earlier attempt's are stale).
+    """
+
+    def __init__(self, path: Path, own_node: str, sink: SampleSink, interval_s: float) -> None:
+        self._tail = JsonlTail(path, from_end=True)
+        self._own_node = own_node
+        self._sink = sink
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(interval_s,), name="gpujobs-gpu-nodes", daemon=True)
+        self._thread.start()
+
+    def poll(self) -> None:
+        """Pass on the other nodes' samples written since the last poll."""
+        samples = [r for r in self._tail.poll() if r.get("node") != self._own_node and "uuid" in r and "gpu" in r]
+        if samples:
+            self._sink(samples)
+
+    def _run(self, interval_s: float) -> None:
+        while not self._stop.wait(interval_s):
+            try:
+                self.poll()
+            except Exception:  # telemetry must never take the job down
+                log.exception("reading the other nodes' GPU samples failed; their series stop here")
+                return
+
+    def stop(self) -> None:
+        """Stop following (at most one poll in progress is waited for)."""
+        self._stop.set()
+        self._thread.join(timeout=5)

@@ -17,6 +17,7 @@ A run dir is shared by every attempt of its job (requeues, restarts, a hand-run 
     reruns/<job id>/   runs of a completed run dir's submit.sbatch queued again
     heartbeat/         rank_<N>.json: each rank's step and phase, rewritten every second (the watchdog reads them)
     hangs/<attempt>/   a hung attempt's evidence: every rank's stacks, NCCL's flight recorder, NVML
+    failures/          rank_<N>.json: a rank's error as it failed (rank 0 records the first in the ledger)
 
 JSON-lines files are read with `read_jsonl`, which skips a line torn by a crash. Modules:
 `files` (config and submissions), `attempts` (the ledger and its budgets), `lease` (one job per run
@@ -44,9 +45,10 @@ TRACKER_FILE = "tracker.json"
 RERUNS_DIR = "reruns"
 HEARTBEAT_DIR = "heartbeat"
 HANGS_DIR = "hangs"
+FAILURES_DIR = "failures"
 
 __all__ = [
-    "ATTEMPTS_FILE", "CHECKPOINT_DIR", "CONFIG_FILE", "GPU_FILE", "HANGS_DIR", "HEARTBEAT_DIR", "LEASE_FILE",
-    "MARKER", "METRICS_FILE", "PROMETHEUS_FILE", "RERUNS_DIR", "RESULT_FILE", "SBATCH_FILE", "STEP_PREFIX",
-    "SUBMISSIONS_FILE", "TRACKER_FILE", "read_jsonl",
+    "ATTEMPTS_FILE", "CHECKPOINT_DIR", "CONFIG_FILE", "FAILURES_DIR", "GPU_FILE", "HANGS_DIR", "HEARTBEAT_DIR",
+    "LEASE_FILE", "MARKER", "METRICS_FILE", "PROMETHEUS_FILE", "RERUNS_DIR", "RESULT_FILE", "SBATCH_FILE",
+    "STEP_PREFIX", "SUBMISSIONS_FILE", "TRACKER_FILE", "read_jsonl",
 ]

@@ -64,7 +64,8 @@ class Attempt:
     """Ranks the attempt ran with (elastic jobs: what the allocation gave)."""
     culprit_rank: Optional[int] = None
     """hung: the rank the watchdog blames (its stack was not in a collective, or its progress stopped
-    first); unhealthy: the rank that found the fault."""
+    first); unhealthy: the rank that found the fault; failed: the rank whose error came first, where
+    it was not rank 0's own (`gpujobs.run.failures`)."""
     node: Optional[str] = None
     """The node a hang, a crash or a failed health check is attributed to."""
     excluded: list[str] = field(default_factory=list)

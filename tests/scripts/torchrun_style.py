@@ -1,6 +1,8 @@
 """A user's own training script, written for torchrun: it knows nothing about gpujobs.
 
 It joins the process group from the torchrun variables, all-reduces its rank, and writes what it saw.
+With `--fail-rank N`, rank N raises instead of joining the all-reduce (a bug on one rank): the
+others fail of it, in the collective.
 """
 
 import json
@@ -13,6 +15,8 @@ import torch.distributed as dist
 
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 dist.init_process_group("gloo", rank=rank, world_size=world)  # env:// from MASTER_ADDR / MASTER_PORT
+if "--fail-rank" in sys.argv and int(sys.argv[sys.argv.index("--fail-rank") + 1]) == rank:
+    raise ValueError(f"rank {rank} cannot go on")
 total = torch.tensor([float(rank)])
 dist.all_reduce(total)
 seen = {

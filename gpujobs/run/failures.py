@@ -1,0 +1,86 @@
+"""Which rank failed first, and where: the attempt's line names it, not rank 0's echo of it.
+
+When one rank raises, the others fail after it, in the collective it no longer joins ("Connection
+closed by peer"); rank 0, which writes the attempt's line, would record that echo and no node. So
+every rank that fails leaves its error in RUN_DIR/failures/rank_<N>.json, with the attempt's identity
+(`heartbeat.instance`) and the time, before it tears its process group down: the peers only see the
+failure once it has. Rank 0 reads them all and records the first one: its error, its rank and its
+node. "First" compares the ranks' wall clocks: across nodes, as close as NTP keeps them (milliseconds),
+while a peer's echo comes at least a process teardown later. Torch-free.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from gpujobs.atomic import write_json_atomic
+from gpujobs.run.heartbeat import instance
+from gpujobs.rundir import FAILURES_DIR
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """One rank's failure: what it raised, where it ran, and when."""
+
+    rank: int
+    node: str
+    error: str
+    at: float
+
+
+def failure_path(run_dir: Path, rank: int) -> Path:
+    """Rank `rank`'s failure file."""
+    return Path(run_dir) / FAILURES_DIR / f"rank_{rank}.json"
+
+
+def leave(run_dir: Path, failure: RankFailure) -> None:
+    """Write this rank's failure for rank 0 (best effort: a full disk must not hide the real error)."""
+    path = failure_path(run_dir, failure.rank)
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(path, {"instance": instance(), "rank": failure.rank, "node": failure.node,
+                                 "error": failure.error, "at": failure.at})
+
+
+def _read(path: Path, attempt: str) -> Optional[RankFailure]:
+    try:
+        record = json.loads(path.read_text())
+        if record.get("instance") != attempt:  # an earlier attempt's
+            return None
+        return RankFailure(int(record["rank"]), str(record["node"]), str(record["error"]), float(record["at"]))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def first(run_dir: Path, world_size: int, own: RankFailure, grace_s: float = 1.0) -> RankFailure:
+    """The failure of this attempt that came first, `own` (rank 0's) included.
+
+    Each rank's file is opened by name (a listing of a shared filesystem's directory may lag). A peer
+    writes its file before its process group goes, so it is there once rank 0 fails of it; rank 0 looks
+    again for up to `grace_s` where it finds none, for a filesystem that shows it late.
+    """
+    attempt = instance()
+    deadline = time.monotonic() + grace_s
+    while True:
+        found = [f for rank in range(world_size) if rank != own.rank
+                 and (f := _read(failure_path(run_dir, rank), attempt)) is not None]
+        if found or world_size == 1 or time.monotonic() >= deadline:
+            return min([own, *found], key=lambda f: (f.at, f.rank))
+        time.sleep(0.1)
+
+
+def attempt_fields(run_dir: Path, world_size: int, own: RankFailure) -> dict[str, Any]:
+    """Rank 0's `record_attempt` fields of a failed attempt: the first error; its rank and node where
+    another rank's error came before rank 0's own (or rank 0 ran alone). Where rank 0's error is the
+    first one seen, it may still be an echo (a peer that was killed leaves no file): no rank is blamed."""
+    cause = first(run_dir, world_size, own)
+    if cause is not own:
+        return {"error": f"rank {cause.rank}: {cause.error}", "culprit_rank": cause.rank, "node": cause.node}
+    if world_size == 1:
+        return {"error": own.error, "culprit_rank": own.rank, "node": own.node}
+    return {"error": f"rank {own.rank}: {own.error}"}

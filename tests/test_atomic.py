@@ -1,0 +1,50 @@
+"""The ledger's atomic writes under real faults: a full filesystem, a planted temp name, a link."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from test_faults import fill, small_disk
+
+from gpujobs.atomic import write_text_atomic
+
+
+def test_a_write_on_a_full_disk_keeps_the_old_file_and_leaves_no_temp(tmp_path: Path) -> None:
+    with small_disk(tmp_path / "disk", "1m") as disk:
+        target = disk / "attempts.jsonl"
+        write_text_atomic(target, "old\n")
+        filler = fill(disk)
+        with pytest.raises(OSError) as err:
+            write_text_atomic(target, "new\n" * 100_000)
+        assert err.value.errno == 28, err.value
+        assert target.read_text() == "old\n"
+        assert sorted(p.name for p in disk.iterdir()) == ["attempts.jsonl", "filler"]
+        filler.unlink()
+        write_text_atomic(target, "new\n")  # space freed: the next write lands
+        assert target.read_text() == "new\n"
+
+
+def test_a_planted_link_is_replaced_never_written_through(tmp_path: Path) -> None:
+    """A link at the target (or at the old, guessable temp names) never sends the write elsewhere."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.write_text("theirs\n")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    for pid in range(os.getpid() - 2, os.getpid() + 3):
+        (run_dir / f".config.yaml.tmp-{pid}").symlink_to(elsewhere)
+    target = run_dir / "config.yaml"
+    target.symlink_to(elsewhere)
+    write_text_atomic(target, "ours\n")
+    assert elsewhere.read_text() == "theirs\n"
+    assert not target.is_symlink() and target.read_text() == "ours\n"
+
+
+def test_the_new_file_takes_the_umask_like_any_other(tmp_path: Path) -> None:
+    old = os.umask(0o027)
+    try:
+        write_text_atomic(tmp_path / "status.json", "{}\n")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "status.json").stat().st_mode & 0o777 == 0o640

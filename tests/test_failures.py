@@ -1,0 +1,56 @@
+"""Which rank failed first (gpujobs.run.failures): the files the ranks leave, read as rank 0 reads them.
+
+The live case (a script whose rank 1 raises, rank 0 failing of it) is in test_script_job.py.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from gpujobs.run import failures
+from gpujobs.run.failures import RankFailure
+
+
+@pytest.fixture(autouse=True)
+def _one_local_job(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    monkeypatch.setenv("SUBMITIT_LOCAL_JOB_ID", "4711")
+
+
+def test_a_peer_that_failed_earlier_is_named_with_its_node(tmp_path: Path) -> None:
+    now = time.time()
+    failures.leave(tmp_path, RankFailure(2, "node2", "RuntimeError: CUDA error: an illegal memory access", now - 3))
+    failures.leave(tmp_path, RankFailure(1, "node1", "RuntimeError: Connection reset by peer", now - 1))
+    own = RankFailure(0, "node1", "RuntimeError: Connection reset by peer", now)
+    assert failures.attempt_fields(tmp_path, 3, own) == {
+        "error": "rank 2: RuntimeError: CUDA error: an illegal memory access", "culprit_rank": 2, "node": "node2"}
+
+
+def test_rank_0_first_blames_nobody_a_killed_peer_leaves_no_file(tmp_path: Path) -> None:
+    own = RankFailure(0, "node1", "RuntimeError: Connection reset by peer", time.time())
+    started = time.monotonic()
+    assert failures.attempt_fields(tmp_path, 2, own) == {"error": "rank 0: RuntimeError: Connection reset by peer"}
+    assert 0.9 < time.monotonic() - started < 3  # it looked again, for a filesystem that shows files late
+    assert failures.attempt_fields(tmp_path, 1, own) == {
+        "error": "RuntimeError: Connection reset by peer", "culprit_rank": 0, "node": "node1"}  # alone: its own
+
+
+def test_an_earlier_attempts_file_and_a_torn_one_are_ignored(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SUBMITIT_LOCAL_JOB_ID", "1000")
+    failures.leave(tmp_path, RankFailure(1, "node2", "ValueError: last time", time.time() - 100))
+    monkeypatch.setenv("SUBMITIT_LOCAL_JOB_ID", "4711")
+    failures.failure_path(tmp_path, 2).write_text('{"instance": "local:4711", "rank": 2, "no')
+    own = RankFailure(0, "node1", "ValueError: this time", time.time())
+    assert failures.first(tmp_path, 3, own, grace_s=0) is own
+    assert json.loads(failures.failure_path(tmp_path, 1).read_text())["instance"] == "local:1000"
+
+
+def test_a_failure_file_that_cannot_be_written_never_hides_the_real_error(tmp_path: Path) -> None:
+    blocked = tmp_path / "run"
+    blocked.mkdir()
+    (blocked / "failures").write_text("a file where the directory goes")
+    failures.leave(blocked, RankFailure(1, "node1", "ValueError: boom", time.time()))  # no raise
