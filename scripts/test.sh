@@ -28,7 +28,10 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     if [ "$added" = 1 ]; then rm -f "$guard"; fi
   fi
   echo "== slurm: bringing up the test cluster"
-  if exports="$(bash scripts/local-slurm.sh up)"; then
+  # requeues restart after ~6 s (cred_expire 5, Slurm's minimum) and preemption requeues 15 s after the
+  # signal: a tiny job saves in well under a second
+  if exports="$(GPUJOBS_SLURM_CRED_EXPIRE="${GPUJOBS_SLURM_CRED_EXPIRE:-5}" \
+                GPUJOBS_SLURM_GRACE_TIME="${GPUJOBS_SLURM_GRACE_TIME:-15}" bash scripts/local-slurm.sh up)"; then
     eval "$exports"
     trap 'bash scripts/local-slurm.sh down >/dev/null 2>&1 || true' EXIT
   else
@@ -36,6 +39,8 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   fi
 fi
 
-echo "== pytest"; python -m pytest "$@"
+# Two workers: the live Slurm tests run one after another on one of them (they share the cluster's two
+# nodes), the rest spread over both and fill the time the Slurm tests spend waiting on the scheduler.
+echo "== pytest"; python -m pytest -n 2 --dist loadgroup "$@"
 # The wheel as users install it, run from outside the checkout (its dry runs use the cluster above).
 echo "== wheel"; bash scripts/wheel-check.sh

@@ -70,6 +70,17 @@ SLOW = (
 )
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (`-n 2 --dist loadgroup`, as scripts/test.sh runs it), the tests of the live
+    Slurm cluster run one after another on one worker: they share its two nodes, and some need them
+    idle. The other tests spread over both workers, filling the time Slurm tests spend waiting."""
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for item in items:
+        if item.get_closest_marker("slurm") or "slurm" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("slurm"))
+
+
 @pytest.fixture(scope="session")
 def straight_digest(tmp_path_factory: pytest.TempPathFactory) -> str:
     """The `param_digest` of an uninterrupted run of SLOW: what every interrupted run must end with."""

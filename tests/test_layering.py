@@ -34,7 +34,8 @@ def test_the_job_side_never_imports_the_submit_side() -> None:
 def test_the_run_dir_package_loads_without_torch() -> None:
     code = (
         "import sys, gpujobs.rundir, gpujobs.rundir.files, gpujobs.rundir.attempts, gpujobs.rundir.lease, "
-        "gpujobs.rundir.records, gpujobs.rundir.resume; assert 'torch' not in sys.modules, 'torch imported'"
+        "gpujobs.rundir.records, gpujobs.rundir.resume, gpujobs.rundir.trackers; "
+        "assert 'torch' not in sys.modules, 'torch imported'"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 0, proc.stderr

@@ -29,8 +29,8 @@ from jobctl import RunningJob, attempts
 
 from gpujobs.config import MlflowConfig, TensorBoardConfig, load_config
 from gpujobs.errors import ConfigError
-from gpujobs.run.trackers.state import read_state
 from gpujobs.rundir.files import read_config
+from gpujobs.rundir.trackers import read_state
 from gpujobs.validate import declared
 
 mlflow_tracking = pytest.importorskip("mlflow.tracking", reason="pip install -e '.[dev]' (gpujobs[mlflow])")

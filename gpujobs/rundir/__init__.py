@@ -21,7 +21,8 @@ A run dir is shared by every attempt of its job (requeues, restarts, a hand-run 
 
 JSON-lines files are read with `read_jsonl`, which skips a line torn by a crash. Modules:
 `files` (config and submissions), `attempts` (the ledger and its budgets), `lease` (one job per run
-dir) and `resume` (resume only the same run). The job side imports these, never `gpujobs.launch`.
+dir), `resume` (resume only the same run) and `trackers` (tracker.json). The job side imports these,
+never `gpujobs.launch`.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 from gpujobs.config import JobConfig
 from gpujobs.run.trackers.series import StepRecord, clean_name, flat_config, kind_of, values_of
-from gpujobs.run.trackers.state import MlflowRun, TrackerState, read_state, write_state
+from gpujobs.rundir.trackers import MlflowRun, TrackerState, read_state, write_state
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from gpujobs.config import JobConfig
 from gpujobs.errors import SubmitError
 from gpujobs.run.trackers.mlflow_tracker import client_for, experiment_id, log_params, run_name
 from gpujobs.run.trackers.series import clean_name
-from gpujobs.run.trackers.state import MlflowRun, TrackerState, read_state, write_state
+from gpujobs.rundir.trackers import MlflowRun, TrackerState, read_state, write_state
 
 log = logging.getLogger(__name__)
 

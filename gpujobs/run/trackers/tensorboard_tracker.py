@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 from gpujobs.config import JobConfig
 from gpujobs.run.trackers.series import StepRecord, flat_config, values_of
-from gpujobs.run.trackers.state import TrackerState, read_state, write_state
+from gpujobs.rundir.trackers import TrackerState, read_state, write_state
 
 log = logging.getLogger(__name__)
 
