@@ -8,6 +8,7 @@ when `sacct` cannot be asked, the run dirs' files do.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from pathlib import Path
@@ -16,13 +17,25 @@ from typing import Optional
 from gpujobs.cli import COMMANDS
 from gpujobs.errors import GpujobsError
 from gpujobs.launch import manage
+from gpujobs.schema import MAX_WAIT_S
+
+
+def _seconds(text: str) -> float:
+    """An option's seconds: a finite number > 0 (argparse turns the refusal into one line and exit 2)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and 0 < value <= MAX_WAIT_S):
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid: allowed a number of seconds > 0")
+    return value
 
 
 def _parser(prog: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     status = commands.add_parser("status", help=COMMANDS["status"].summary)
-    status.add_argument("--watch", type=float, metavar="S", help="redraw every S seconds until all are final")
+    status.add_argument("--watch", type=_seconds, metavar="S", help="redraw every S seconds until all are final")
     logs = commands.add_parser("logs", help=COMMANDS["logs"].summary)
     logs.add_argument("--point", type=int, default=0)
     logs.add_argument("--rank", type=int, default=0)
@@ -37,7 +50,7 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     cost.add_argument("--json", action="store_true", help="the JSON document instead of the table")
     for sub in (status, logs, cancel, resubmit, cost):
         sub.add_argument("dir", type=Path, help="a run dir or a sweep dir")
-        sub.add_argument("--sacct-timeout", type=float, default=10.0, metavar="S")
+        sub.add_argument("--sacct-timeout", type=_seconds, default=10.0, metavar="S")
     return parser
 
 

@@ -38,6 +38,10 @@ SLURM_MAX_SIGNAL_LEAD_S = 65535
 #: years; `time.sleep(9223372036)` fails, torch's TCPStore connect fails at once). Half of that leaves
 #: the clock's own count room.
 MAX_WAIT_S = 2**62 // 10**9
+#: The longest process-group timeout torch can hand NCCL's heartbeat monitor: it reads
+#: TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC (set from `trainer.pg_timeout_s`) as a 32-bit int and counts its
+#: milliseconds in one, which overflows past 2,147,483 s (24.8 days).
+MAX_PG_TIMEOUT_S = (2**31 - 1) // 1000
 #: Seconds the hang watchdog needs after `trainer.hang_timeout_s` to notice a hang and take its
 #: evidence: torch's own collective timeout (`trainer.pg_timeout_s`) must leave it that long.
 HANG_EVIDENCE_S = 30
@@ -155,7 +159,7 @@ class ResourcesConfig(Checked):
     """GPUs per node; each gets one rank."""
     procs_per_node: Optional[int] = field(default=None, metadata=bounds(ge=1))
     """Ranks per node when gpus_per_node is 0 (CPU ranks with gloo); default 1."""
-    cpus_per_task: int = field(default=1, metadata=bounds(ge=1))
+    cpus_per_task: int = field(default=1, metadata=bounds(ge=1, le=65533, note="Slurm keeps it in 16 bits"))
     """CPU cores per rank (also the torch thread count)."""
     mem_gb: Optional[float] = field(default=None, metadata=_MEM_GB)
     """Memory per node in GB (default: the cluster's default); at least 1/1024 (1 MiB, see `_MEM_GB`)."""
@@ -237,12 +241,11 @@ class TrainerConfig(Checked):
     """Log metrics every N steps."""
     deterministic: bool = True
     """Deterministic kernels, so a seed gives bit-identical parameters."""
-    pg_timeout_s: int = field(default=600, metadata=bounds(ge=1, le=MAX_WAIT_S, note="torch's deadline limit"))
+    pg_timeout_s: int = field(default=600, metadata=bounds(ge=1, le=MAX_PG_TIMEOUT_S, note="NCCL heartbeat limit"))
     """Process-group timeout: a dead rank makes the others fail after this many seconds. With the hang
     watchdog on, at least `hang_timeout_s` + 30 s, so the watchdog acts (and keeps the evidence) first. At most
-    `MAX_WAIT_S` (2**62 ns): torch adds it to a steady clock in signed 64-bit nanoseconds, and past
-    2**63 ns the deadline wraps (the TCPStore connect then fails at once, "timed out after ...ms");
-    `datetime.timedelta`, which carries it there, would take up to 8.64e13 s."""
+    `MAX_PG_TIMEOUT_S` (2,147,483 s, 24.8 days): NCCL's heartbeat monitor counts it in 32-bit milliseconds
+    (torch's own deadlines, signed 64-bit nanoseconds on a steady clock, would wrap only past `MAX_WAIT_S`)."""
     hang_timeout_s: int = field(default=300, metadata=bounds(ge=0, le=MAX_WAIT_S))
     """Hang watchdog: an attempt in which no rank changed its step or phase for this many seconds is
     hung; the supervisor takes every rank's stacks, kills the attempt and restarts it from its last
@@ -435,6 +438,10 @@ class JobConfig(Checked):
         slow, world = self.telemetry.debug_slow_rank, self.resources.world_size
         if slow is not None and slow >= world:
             raise ConfigError("telemetry.debug_slow_rank", slow, f"a rank below the world size {world}")
+        shares = self.trainer.balance_shares
+        # an elastic job's world size is known only job-side, where the same check runs again
+        if self.trainer.balance == "static" and shares and self.resources.min_nodes is None and len(shares) != world:
+            raise ConfigError("trainer.balance_shares", shares, f"one weight per rank ({world} ranks)")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict of the resolved config (what config.yaml holds)."""

@@ -103,6 +103,10 @@ def main(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> None:
         if exit_.code == 1 and not _task_started:
             raise SystemExit(EXIT_REFUSED) from None
         raise
+    except GpujobsError as err:  # raised by the sweep's launcher, once every point was planned
+        prefix = "config error: " if isinstance(err, ConfigError) else ""
+        print(f"gpujobs: {prefix}{err}", file=sys.stderr)
+        raise SystemExit(EXIT_REFUSED) from None
     except (HydraException, OmegaConfBaseException) as err:
         if _task_started:
             raise

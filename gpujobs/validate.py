@@ -71,8 +71,8 @@ def bounds(
     ge/gt/le/lt bound a number, or each number of a list (which also needs `min_len` items); `one_of`
     lists the accepted strings; `pattern` must match a whole string; `valid(value)` is any other test,
     described by `allowed`. The error's allowed text is derived from these (`allowed` replaces it,
-    `note` is added in parentheses). `any_text` lets a string hold control characters (an argv item,
-    which reaches no parser). A None value passes where the field is Optional.
+    `note` is added in parentheses). `any_text` lets a string hold control characters but NUL (an argv
+    item, which reaches no parser, only exec). A None value passes where the field is Optional.
     """
     return {_KEY: Bounds(ge, gt, le, lt, tuple(one_of), pattern, valid, allowed, note, min_len, any_text)}
 
@@ -304,6 +304,8 @@ def _check_str(rule: _Rule, value: Any) -> None:
         return
     if not (b is not None and b.any_text):
         check_text(rule.name, value)
+    elif "\x00" in value:  # even an argv item: exec cannot pass a NUL
+        raise ConfigError(rule.name, value, "text without NUL (an argument cannot hold one)")
     if b is None:
         return
     if (b.one_of and value not in b.one_of) or (b.pattern is not None and not b.pattern.fullmatch(value)):
@@ -317,3 +319,5 @@ def _scan(rule: _Rule, item: Any, whole: Any) -> None:
         raise ConfigError(rule.name, whole, "finite numbers")
     if isinstance(item, str) and not any_text:
         check_text(rule.name, item)
+    elif isinstance(item, str) and "\x00" in item:  # even an argv item: exec cannot pass a NUL
+        raise ConfigError(rule.name, whole, "text without NUL (an argument cannot hold one)")

@@ -10,16 +10,25 @@ import stat
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import pytest
 from hydra import compose, initialize_config_dir
+from jobctl import RunningJob
 
 from gpujobs.config import JobConfig, load_config
 
 REPO = Path(__file__).resolve().parent.parent
 CONF = REPO / "conf"
+
+
+def missing(reason: str) -> NoReturn:
+    """A part a test needs is not here: skip, except under CI, where every test must really run."""
+    if os.environ.get("CI"):
+        pytest.fail(f"CI needs it: {reason}")
+    pytest.skip(reason)
 
 
 def compose_job(*overrides: str) -> JobConfig:
@@ -33,7 +42,10 @@ def assert_golden(text: str, name: str) -> None:
     """`text` equals `tests/golden/<name>`; GPUJOBS_UPDATE_GOLDEN=1 rewrites the file instead."""
     golden = Path(__file__).parent / "golden" / name
     if os.environ.get("GPUJOBS_UPDATE_GOLDEN"):
+        if os.environ.get("CI"):
+            pytest.fail("GPUJOBS_UPDATE_GOLDEN under CI would compare each golden file with itself")
         golden.write_text(text)
+        pytest.skip(f"rewrote tests/golden/{name}: review the diff")
     assert text == golden.read_text()
 
 
@@ -79,6 +91,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("slurm") or "slurm" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.xdist_group("slurm"))
+
+
+@pytest.fixture(autouse=True)
+def _no_job_outlives_its_test() -> Iterator[None]:
+    """A background job of a test that failed (or timed out) is killed, its Slurm job cancelled."""
+    yield
+    for job in RunningJob.started:
+        if job.proc.poll() is None:
+            job.kill()
+    RunningJob.started.clear()
 
 
 @pytest.fixture(scope="session")
@@ -128,9 +150,7 @@ def slurm() -> dict[str, str]:
             reason = f"Slurm controller not answering: {ping.stdout.strip() or ping.stderr.strip()}"
         except (OSError, subprocess.TimeoutExpired) as err:
             reason = f"Slurm commands unavailable: {err}"
-    if os.environ.get("CI"):
-        pytest.fail(f"CI needs the live Slurm cluster: {reason}")
-    pytest.skip(reason)
+    missing(f"the live Slurm cluster: {reason}")
 
 
 @pytest.fixture(scope="session")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -10,13 +11,21 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, ClassVar
 
 
 class RunningJob:
-    """`python -m gpujobs.submit ...` started in the background, its output going to a file."""
+    """`python -m gpujobs.submit ...` started in the background, its output going to a file.
+
+    A job still running when its test ends is killed with its processes, and its Slurm job cancelled
+    (tests/conftest.py): a test that failed or timed out never leaves the shared cluster busy.
+    """
+
+    started: ClassVar[list[RunningJob]] = []
 
     def __init__(self, run_dir: Path, *overrides: str, env: dict[str, str] | None = None) -> None:
+        RunningJob.started.append(self)
+        self.env = {**os.environ, **(env or {})}
         self.run_dir = run_dir
         run_dir.parent.mkdir(parents=True, exist_ok=True)
         self.log_path = run_dir.parent / f"{run_dir.name}.submit.log"
@@ -24,7 +33,7 @@ class RunningJob:
         cmd = [sys.executable, "-m", "gpujobs.submit", f"hydra.run.dir={run_dir}", *overrides]
         self.proc = subprocess.Popen(
             cmd, stdout=self._log, stderr=subprocess.STDOUT, text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+            env={**self.env, "PYTHONUNBUFFERED": "1"},
         )
 
     def output(self) -> str:
@@ -76,6 +85,30 @@ class RunningJob:
             return self.proc.wait(timeout=timeout)
         finally:
             self._log.close()
+
+    def freeze(self) -> list[int]:
+        """SIGSTOP every rank of the local job (its training stops where it is); returns their pids."""
+        pids = list(self.local_rank_pids().values())
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        return pids
+
+    @staticmethod
+    def thaw(pids: list[int]) -> None:
+        """SIGCONT the ranks that `freeze` stopped."""
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+    def kill(self) -> None:
+        """End the submitter and everything it started, and cancel the Slurm jobs it queued."""
+        from gpujobs.run.evidence import descendants, kill_tree
+
+        if self.proc.poll() is None:
+            kill_tree([*descendants(self.proc.pid), self.proc.pid])
+        for job_id in set(re.findall(r"submitted Slurm job (\d+)", self.output())):
+            subprocess.run(["scancel", job_id], env=self.env, capture_output=True, timeout=30, check=False)
+        self._log.close()
 
 
 def attempts(run_dir: Path) -> list[dict[str, Any]]:

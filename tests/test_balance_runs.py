@@ -38,6 +38,7 @@ def test_one_step_over_the_same_global_batch_is_the_same_whatever_the_split(tmp_
     plans = [r for r in read_metrics(tmp_path / "skewed") if r["kind"] == "plan"]
     assert plans[0]["counts"] == ([51, 13] if accum == 2 else [102, 26])
     even, skewed = _final_parameters(tmp_path / "even"), _final_parameters(tmp_path / "skewed")
+    assert even.keys() == skewed.keys() and even
     for key, value in even.items():
         torch.testing.assert_close(skewed[key], value, rtol=1e-6, atol=1e-7)
 

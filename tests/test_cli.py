@@ -123,6 +123,16 @@ def test_a_bad_subcommand_and_a_bad_override_exit_2_with_one_line(tmp_path: Path
     assert not run_dir.exists()
 
 
+@pytest.mark.parametrize("value", ["-1", "0", "nan", "inf", "soon"])
+def test_seconds_options_refuse_what_sleep_cannot_take(run_dir: Path, value: str) -> None:
+    """`--watch` and `--sacct-timeout` go to time.sleep and to subprocess timeouts: a finite number > 0."""
+    for option in (("status", "--watch"), ("cost", "--sacct-timeout")):
+        proc = gpujobs(*option, value, str(run_dir), cwd=run_dir.parent)
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        assert f"'{value}' is invalid: allowed a number of seconds > 0" in proc.stderr.splitlines()[-1], proc.stderr
+        assert "Traceback" not in proc.stderr
+
+
 def test_submit_runs_the_tiny_rec_job_and_cfg_job_prints_the_config(run_dir: Path) -> None:
     assert read_result(run_dir)["status"] == "completed"
     cfg = gpujobs("submit", "+experiment=rec", "optim.lr=0.005", "--cfg", "job", cwd=run_dir.parent)

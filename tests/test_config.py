@@ -52,7 +52,7 @@ def test_rec_experiment_composes_to_two_cpu_ranks() -> None:
         ("checkpoint.keep=0", "checkpoint.keep", ">= 1"),
         ("+surprise=1", "surprise", "top-level keys"),
         ("model._target_=nowhere.Thing", "model._target_", "importable"),
-        ("model.embedding_dim=0", "model.embedding_dim", ""),
+        ("model.embedding_dim=0", "model.embedding_dim", "an integer >= 1"),
         # text that reaches sbatch's parser: a newline would end the directive and run the rest
         ("name='rec\n'", "name", "control characters"),
         ("cluster.partition='debug\r'", "cluster.partition", "control characters"),
@@ -63,7 +63,8 @@ def test_rec_experiment_composes_to_two_cpu_ranks() -> None:
         ("resources.mem_gb=0.0001", "resources.mem_gb", "at least 1 MiB"),  # would render --mem=0M
         ("optim.lr=nan", "optim.lr", "a finite number > 0"),
         ("trainer.pg_timeout_s=1e15", "trainer.pg_timeout_s", "int"),
-        ("trainer.pg_timeout_s=1000000000000000", "trainer.pg_timeout_s", "4611686018"),
+        ("trainer.pg_timeout_s=1000000000000000", "trainer.pg_timeout_s", "2147483"),
+        ("trainer.pg_timeout_s=3000000000", "trainer.pg_timeout_s", "2147483"),  # NCCL's int milliseconds
         ("cluster.signal_lead_s=70000", "cluster.signal_lead_s", "at most 65535"),
         ("telemetry.prometheus_port=65536", "telemetry.prometheus_port", "[0, 65535]"),
         ("telemetry.prometheus_addr='0.0.0.0 '", "telemetry.prometheus_addr", "host name"),
@@ -200,6 +201,25 @@ def test_resolved_config_round_trips() -> None:
     job = compose_job("+experiment=rec", "cluster=local", "optim.lr=0.01")
     again = load_config(job.to_dict())
     assert again == job
+
+
+def test_static_shares_for_another_world_size_are_refused_at_submit() -> None:
+    static = ("+experiment=rec", "trainer.balance=static", "resources.procs_per_node=2")
+    with pytest.raises(ConfigError, match=r"trainer\.balance_shares=\[1\.0, 1\.0, 1\.0\].*per rank \(2 ranks\)"):
+        compose_job(*static, "trainer.balance_shares=[1,1,1]")
+    assert compose_job(*static, "trainer.balance_shares=[3,1]").trainer.balance_shares == [3.0, 1.0]
+    elastic = compose_job(*static, "trainer.balance_shares=[1,1,1]", "resources.nodes=2", "resources.min_nodes=1")
+    assert elastic.trainer.balance_shares == [1.0, 1.0, 1.0]  # its world size is known job-side only
+
+
+def test_a_script_argument_may_hold_any_text_but_nul() -> None:
+    job = compose_job("+experiment=rec", f"+script.path={REPO / 'tests/scripts/torchrun_style.py'}")
+    raw = job.to_dict()
+    raw["script"]["args"] = ["--note", "tab\there, a newline\nthere"]
+    assert load_config(raw).script.args[1] == "tab\there, a newline\nthere"  # reaches exec, no parser
+    raw["script"]["args"] = ["--note", "cut\x00off"]  # exec cannot pass it: refused here, not on each rank
+    with pytest.raises(ConfigError, match=r"script\.args.*without NUL"):
+        load_config(raw)
 
 
 @pytest.mark.parametrize(

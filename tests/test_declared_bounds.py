@@ -112,9 +112,9 @@ def test_the_generated_cases_cover_every_schema_and_the_consumer_bounds() -> Non
     for prefix, schema, _ in SCHEMAS:
         if schema is not ScriptConfig:  # its one declaration (args: any text) has no outside
             assert any(i.startswith(f"{prefix}." if prefix else "name=") for i in ids), schema
-    # the bounds that come from consumers (Slurm's --signal, --mem in MiB, torch's deadlines, ports)
+    # the bounds that come from consumers (Slurm's --signal, --mem in MiB, NCCL's heartbeat, ports)
     for expected in ("cluster.signal_lead_s=65536", "resources.mem_gb=0.0009765624999999999",
-                     "trainer.pg_timeout_s=4611686019", "telemetry.prometheus_port=65536"):
+                     "trainer.pg_timeout_s=2147484", "telemetry.prometheus_port=65536"):
         assert expected in ids
 
 

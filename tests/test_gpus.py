@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import compose_job
-from fake_nvml import FakeGpu, install
+from conftest import compose_job, submit
+from fake_nvml import FakeGpu, fake_nvml_env, install
 
 from gpujobs.errors import ConfigError
 from gpujobs.launch.gpus import choose_local_gpus, local_gpu_count
@@ -75,6 +75,19 @@ def test_pick_gpus_refuses_when_too_few_fit(monkeypatch: pytest.MonkeyPatch) -> 
                       "resources.min_free_gpu_mem_gb=20")
     with pytest.raises(ConfigError, match=r"at most 1 here.*GPU 0: 10% busy, 1\.0 GB free"):
         choose_local_gpus(job.resources)
+
+
+def test_a_local_run_that_finds_too_few_gpus_free_leaves_no_run_dir(tmp_path: Path) -> None:
+    """The real CLI, its NVML faked for the submit side: the pick refuses after the lease and config
+    were written, and takes both back."""
+    env = fake_nvml_env(tmp_path / "gpus.json", [FakeGpu(used_gb=79), FakeGpu(used_gb=10)])
+    run_dir = tmp_path / "run"
+    proc = submit(run_dir, "+experiment=rec", "+debug=tiny", "cluster=local", "resources.gpus_per_node=2",
+                  "resources.pick_gpus=true", "resources.min_free_gpu_mem_gb=20", env=env)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("gpujobs: config error: resources.gpus_per_node=2"), proc.stderr
+    assert not run_dir.exists(), sorted(str(p) for p in run_dir.rglob("*"))
 
 
 def test_min_free_gpu_mem_is_validated() -> None:

@@ -55,7 +55,7 @@ def test_a_stopped_rank_is_found_hung_and_the_job_resumes(tmp_path: Path, straig
     assert evidence == run_dir / "hangs" / "1"
     for rank in (0, 1):
         text = (evidence / f"rank_{rank}.txt").read_text()
-        assert "train_step" in text or "fit" in text, text  # a real Python stack of the training loop
+        assert "Trainer.fit" in text or " in fit" in text, text  # py-spy's frame of the loop, or faulthandler's
     summary = json.loads((evidence / "hang.json").read_text())
     assert summary["culprit_rank"] == 1
     assert summary["stacks"]["1"].startswith(stacks), summary["stacks"]
@@ -83,6 +83,7 @@ def slurm_reference(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.mark.slurm
+@pytest.mark.timeout(600)  # the run, the hang timeout, the requeue and the rest of the run
 def test_a_hung_rank_on_slurm_requeues_on_the_other_node(
     tmp_path: Path, slurm: dict[str, str], slurm_reference: str
 ) -> None:

@@ -20,8 +20,12 @@ def test_a_second_local_submission_is_refused_and_the_first_completes(tmp_path: 
     run_dir = tmp_path / "run"
     first = RunningJob(run_dir, *SLOW)
     first.wait_for_step(6)
+    frozen = first.freeze()  # the first job cannot end (and free its lease) while the second one starts
     started = time.monotonic()
-    second = submit(run_dir, *SLOW, timeout=60)
+    try:
+        second = submit(run_dir, *SLOW, timeout=60)
+    finally:
+        first.thaw(frozen)
     assert second.returncode == 2, second.stdout + second.stderr
     assert time.monotonic() - started < 30  # refused without waiting for the first job
     (line,) = [x for x in second.stderr.splitlines() if x.startswith("gpujobs:")]

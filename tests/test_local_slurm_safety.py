@@ -18,19 +18,25 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import REPO, missing
 
 SCRIPT = REPO / "scripts" / "local-slurm.sh"
 NOBODY = 65534
 MARKER_FORMAT = "gpujobs-local-slurm format=2\n"
 
-needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="local-slurm.sh runs as root only")
+
+
+@pytest.fixture
+def root() -> None:
+    """local-slurm.sh runs as root only (CI runs as root: there, not being root fails)."""
+    if os.geteuid() != 0:
+        missing("local-slurm.sh runs as root only")
 
 
 def as_nobody(*cmd: str) -> subprocess.CompletedProcess[str]:
     """Run `cmd` as uid/gid 65534 without supplementary groups: any other local user."""
     if shutil.which("setpriv") is None:
-        pytest.skip("setpriv (util-linux) is not installed")
+        missing("setpriv (util-linux) is not installed")
     return subprocess.run(
         ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", *cmd],
         capture_output=True,
@@ -44,7 +50,7 @@ def as_nobody(*cmd: str) -> subprocess.CompletedProcess[str]:
 def mariadb(*args: str) -> list[str]:
     """The MariaDB client, reading no option files (none of root's could help, or hurt, a login)."""
     if shutil.which("mariadb") is None:
-        pytest.skip("the MariaDB client is not installed")
+        missing("the MariaDB client is not installed")
     return ["mariadb", "--no-defaults", "--batch", "--skip-column-names", *args]
 
 
@@ -52,7 +58,7 @@ def mariadb(*args: str) -> list[str]:
 def cluster_dir(slurm: dict[str, str]) -> Path:
     """DIR of the live cluster (SLURM_CONF is DIR/etc/slurm.conf)."""
     if os.geteuid() != 0:
-        pytest.skip("the cluster is root's: these checks run as root")
+        missing("the cluster is root's: these checks run as root")
     return Path(slurm["SLURM_CONF"]).parent.parent
 
 
@@ -232,7 +238,7 @@ def _run_script(command: str, directory: Path) -> subprocess.CompletedProcess[st
     )
 
 
-@needs_root
+@pytest.mark.usefixtures("root")
 @pytest.mark.parametrize(
     ("make", "reason"),
     [
@@ -257,7 +263,7 @@ def test_up_refuses_a_dir_it_did_not_make(tmp_path: Path, make: Callable[[Path],
     assert str(directory) not in Path("/etc/hosts").read_text()
 
 
-@needs_root
+@pytest.mark.usefixtures("root")
 @pytest.mark.parametrize("command", ["down", "status", "reset"])
 def test_other_commands_leave_someone_elses_dir_alone(tmp_path: Path, command: str) -> None:
     """down/status would run Slurm clients (as root) on its slurm.conf; reset would delete it."""

@@ -47,7 +47,11 @@ def test_report_plots_a_real_run(run_dir: Path, monkeypatch: pytest.MonkeyPatch)
     install(monkeypatch, [FakeGpu(util=70, used_gb=20), FakeGpu(util=40, used_gb=12)])
     sampler = GpuSampler(run_dir / "gpu.jsonl", 0.02, "n1", {0: 0, 1: 1})
     assert sampler.start()
-    time.sleep(0.2)
+    deadline = time.monotonic() + 30
+    samples = run_dir / "gpu.jsonl"
+    while not samples.exists() or len(samples.read_text().splitlines()) < 4:  # two samples of two GPUs
+        assert time.monotonic() < deadline, "the sampler wrote no samples"
+        time.sleep(0.02)
     sampler.stop()
     out = report(run_dir)
     assert out.returncode == 0, out.stderr

@@ -77,6 +77,15 @@ def test_torchrun_style_script_on_two_nodes(run_dir: Path, slurm: dict[str, str]
     assert seen[0]["MASTER_PORT"] == seen[1]["MASTER_PORT"]
 
 
+def test_a_job_that_sbatch_refuses_leaves_no_run_dir_and_no_lease(tmp_path: Path, slurm: dict[str, str]) -> None:
+    run_dir = tmp_path / "run"  # no node has the feature: preflight passes it, sbatch refuses it
+    proc = submit(run_dir, *TINY, "cluster.constraint=nosuchfeature", env=slurm)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("gpujobs: sbatch refused the job: "), proc.stderr
+    assert not run_dir.exists(), sorted(str(p) for p in run_dir.rglob("*"))  # no config, lease, submitit/
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [

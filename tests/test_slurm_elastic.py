@@ -171,6 +171,7 @@ def _train_world(run_dir: Path) -> int:
     return len([line for line in lines if line.get("kind") == "train" and line.get("step_time_s")][-1]["step_time_s"])
 
 
+@pytest.mark.timeout(600)  # two attempts and the preemption's grace, under a loaded CI
 def test_preempted_on_two_nodes_resumes_on_the_one_left_and_completes(tmp_path: Path, slurm: dict[str, str]) -> None:
     run_dir = tmp_path / "run"
     job = RunningJob(run_dir, *ELASTIC, env=slurm)

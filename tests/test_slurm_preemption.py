@@ -125,6 +125,7 @@ def test_preempted_by_a_higher_priority_job(tmp_path: Path, slurm: dict[str, str
     assert sacct_state(urgent, slurm) == "COMPLETED"
 
 
+@pytest.mark.timeout(600)  # two or three 1-minute attempts, each waiting for Slurm's 30 s limit check
 def test_time_limit_requeues_until_done(tmp_path: Path, slurm: dict[str, str], reference_digest: str) -> None:
     run_dir = tmp_path / "run"
     # slurmctld checks time limits every 30 s and sends the --signal at the first check that finds less

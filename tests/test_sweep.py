@@ -173,6 +173,17 @@ def test_one_bad_point_refuses_the_whole_sweep(tmp_path: Path, slurm: dict[str, 
 
 
 @pytest.mark.slurm
+def test_a_sweep_that_sbatch_refuses_is_one_line_and_leaves_nothing(tmp_path: Path, slurm: dict[str, str]) -> None:
+    sweep_dir = tmp_path / "sweep"  # no node has the feature: preflight passes it, sbatch refuses the array
+    proc = sweep(sweep_dir, *TINY, "cluster.constraint=nosuchfeature", "trainer.seed=1,2", env=slurm)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("gpujobs")]
+    assert len(lines) == 1 and lines[0].startswith("gpujobs: sbatch refused the job: "), proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr and "submitted" not in proc.stdout
+    assert not sweep_dir.exists(), sorted(str(p) for p in sweep_dir.rglob("*"))  # no sweep.json, no point dirs
+
+
+@pytest.mark.slurm
 def test_dry_run_prints_the_script_and_writes_nothing(tmp_path: Path, slurm: dict[str, str]) -> None:
     single = submit(tmp_path / "run", *TINY, "cluster.dry_run=true", env=slurm)
     assert single.returncode == 0, single.stderr

@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from gpujobs.config import JobConfig
-from gpujobs.errors import ConfigError
+from gpujobs.errors import ConfigError, SubmitError
+from gpujobs.rundir import CONFIG_FILE
 from gpujobs.rundir.files import write_config
 from gpujobs.validate import check_slurm_path
 
@@ -93,16 +94,24 @@ def start(job: JobConfig, run_dir: Path) -> int:
     from gpujobs.rundir import lease
 
     # this launcher's; a Slurm submission hands it to the job it queues
-    lease.acquire(run_dir, lease.here(submitting=job.cluster.name == "slurm"))
+    me = lease.here(submitting=job.cluster.name == "slurm")
+    lease.acquire(run_dir, me)
+    had_config = (run_dir / CONFIG_FILE).exists()
     write_config(run_dir, job)
     if job.cluster.name == "debug":
         from gpujobs.launch.debug import run_debug
 
         return run_debug(job, run_dir)
-    if job.cluster.name == "slurm":
-        from gpujobs.launch.slurm import run_slurm
+    try:
+        if job.cluster.name == "slurm":
+            from gpujobs.launch.slurm import run_slurm
 
-        return run_slurm(job, run_dir)
-    from gpujobs.launch.local import run_local
+            return run_slurm(job, run_dir)
+        from gpujobs.launch.local import run_local
 
-    return run_local(job, run_dir)
+        return run_local(job, run_dir)
+    except (SubmitError, ConfigError):  # refused before anything ran or was queued (sbatch said no, too few
+        lease.release(run_dir, me)  # GPUs free): nothing of this submission stays
+        if not had_config:
+            (run_dir / CONFIG_FILE).unlink(missing_ok=True)
+        raise

@@ -11,6 +11,8 @@ there is one renderer: submitit's own array path (`map_array`, `batch()`) would 
 
 from __future__ import annotations
 
+import contextlib
+import io
 from pathlib import Path
 from typing import Any, Optional
 
@@ -53,10 +55,18 @@ class GpujobsSlurmExecutor(submitit.SlurmExecutor):
 
     def submit_script(self, array_size: int = 1) -> list[submitit.SlurmJob[Any]]:
         """One `sbatch` of the script; with an array, one submitit job per array index (`A_i`)."""
+        made = not self.folder.exists()
         self.folder.mkdir(parents=True, exist_ok=True)
+        before = set(self.folder.iterdir())
         try:
-            first = self._submit_command(self.command)
+            with contextlib.redirect_stderr(io.StringIO()):  # submitit prints sbatch's refusal: said below, once
+                first = self._submit_command(self.command)
         except submitit.core.utils.FailedJobError as err:  # sbatch itself refused
+            for leftover in set(self.folder.iterdir()) - before:  # submitit's script, named for the job it never got
+                leftover.unlink(missing_ok=True)
+            if made:
+                with contextlib.suppress(OSError):
+                    self.folder.rmdir()
             raise SubmitError(f"sbatch refused the job: {str(err).strip().splitlines()[-1]}") from None
         if self.array is None:
             return [first]  # type: ignore[list-item]

@@ -41,7 +41,9 @@ from typing import Any, Optional
 
 from gpujobs.atomic import fsync_batch, write_json_atomic, write_text_atomic
 from gpujobs.config import JobConfig
+from gpujobs.errors import SubmitError
 from gpujobs.launch import preflight
+from gpujobs.rundir import CONFIG_FILE, SBATCH_FILE
 from gpujobs.rundir.files import discard_if_empty, write_config
 
 SWEEP_FILE = "sweep.json"
@@ -148,6 +150,15 @@ def write_sweep_file(sweep_dir: Path, points: list[Point]) -> None:
     write_json_atomic(sweep_dir / SWEEP_FILE, {"points": [known[num] for num in sorted(known)]})
 
 
+def _unlist(sweep_dir: Path, nums: set[int]) -> None:
+    """Take points out of `sweep.json` (the file goes when none is left)."""
+    left = [entry for entry in read_sweep_file(sweep_dir) if entry["num"] not in nums]
+    if left:
+        write_json_atomic(sweep_dir / SWEEP_FILE, {"points": left})
+    else:
+        (sweep_dir / SWEEP_FILE).unlink(missing_ok=True)
+
+
 def read_sweep_file(sweep_dir: Path) -> list[dict[str, Any]]:
     """The points `sweep.json` lists (empty when there is none)."""
     path = sweep_dir / SWEEP_FILE
@@ -180,7 +191,23 @@ def submit_arrays(points: list[Point], folder: Path, *, dry_run: bool = False) -
             print(array_executor(chunk, folder)[0].script(), end="")
         return []
     folder.mkdir(parents=True, exist_ok=True)
-    return [outcome for chunk in arrays for outcome in _queue_array(chunk, folder)]
+    queued: list[Outcome] = []
+    for chunk in arrays:
+        try:
+            queued += _queue_array(chunk, folder)
+        except SubmitError as err:
+            raise ArrayRefused(str(err), queued, len(points)) from None
+    return queued
+
+
+class ArrayRefused(SubmitError):
+    """sbatch refused an array of the sweep; `queued` are the points of the arrays it took before."""
+
+    def __init__(self, why: str, queued: list[Outcome], total: int) -> None:
+        if queued:
+            why = f"{why}; {len(queued)} of {total} points were queued before it, the others were not"
+        super().__init__(why)
+        self.queued = queued
 
 
 def _queue_array(points: list[Point], folder: Path) -> list[Outcome]:
@@ -189,12 +216,19 @@ def _queue_array(points: list[Point], folder: Path) -> list[Outcome]:
     from gpujobs.rundir.files import record_submission
 
     executor, points_file = array_executor(points, folder)
+    written = [path for point in points for path in (point.run_dir / CONFIG_FILE, point.run_dir / SBATCH_FILE)]
+    new = [path for path in [*written, points_file] if not path.exists()]
     with fsync_batch() as batch:  # every file durable before sbatch, in one pass of fsyncs
         for point in points:
             write_config(point.run_dir, point.job, batch)
             keep_script(point.run_dir, point.job, batch)
         write_text_atomic(points_file, "".join(f"{p.run_dir}\n" for p in points), batch)  # as named
-    sjobs = executor.submit_script(len(points))
+    try:
+        sjobs = executor.submit_script(len(points))
+    except SubmitError:  # nothing of this array was queued: what it wrote goes (a resubmit's old files stay)
+        for path in new:
+            path.unlink(missing_ok=True)
+        raise
     queued = [Outcome(point, 0, job_id=sjob.job_id, handle=sjob) for point, sjob in zip(points, sjobs, strict=True)]
     for outcome in queued:
         record_submission(outcome.point.run_dir, str(outcome.job_id), folder)
@@ -252,7 +286,13 @@ def _carry_out(plan: SweepPlan) -> list[Outcome]:
         folder = plan.sweep_dir.absolute() / ARRAY_FOLDER
         if not dry_run:
             write_sweep_file(plan.sweep_dir, slurm)
-        queued = submit_arrays(slurm, folder, dry_run=dry_run)
+        try:
+            queued = submit_arrays(slurm, folder, dry_run=dry_run)
+        except ArrayRefused as refused:  # sweep.json keeps the points that were queued, and only those
+            _unlist(plan.sweep_dir, {p.num for p in slurm} - {o.point.num for o in refused.queued})
+            if not refused.queued:
+                discard_if_empty(folder)
+            raise
         if dry_run:
             plan.discard()
             return [Outcome(p, 0) for p in slurm]

@@ -181,6 +181,16 @@ def acquire(run_dir: Path, me: Lease, wait_s: float = 0.0) -> None:
         raise LeaseHeld(f"run dir {run_dir} was taken over by {holder.describe() if holder else 'another job'}")
 
 
+def release(run_dir: Path, me: Lease) -> None:
+    """Give the run dir back (a submission that sbatch refused): remove the lease if it is still `me`'s.
+
+    A lease is never released otherwise: a job's lease goes stale with its job."""
+    current = read(run_dir)
+    if current is not None and _same_holder(current, me):
+        with contextlib.suppress(FileNotFoundError):
+            (run_dir / LEASE_FILE).unlink()
+
+
 def replace(run_dir: Path, lease: Lease) -> None:
     """Rewrite our own lease (the submit side, once sbatch has given the job id)."""
     write_text_atomic(run_dir / LEASE_FILE, _text(lease))

@@ -97,6 +97,7 @@ class GpujobsLauncher(Launcher):
         self, count: int, first_num: int, run_points: Callable[[], list[JobReturn]], how: str = ""
     ) -> Sequence[JobReturn]:
         """Run the points' tasks with a plan active (`run_points`), then carry out the plan they made."""
+        from gpujobs.errors import SubmitError
         from gpujobs.launch.sweep import collecting, run_plan, summary  # lazily: plugin discovery stays fast
 
         setup_globals()
@@ -113,7 +114,11 @@ class GpujobsLauncher(Launcher):
                 raise
         if not plan.points:
             return runs
-        outcomes = run_plan(plan)
+        try:
+            outcomes = run_plan(plan)
+        except SubmitError:  # sbatch refused (an array of) the sweep: what it did not queue leaves no dirs
+            plan.discard()
+            raise
         by_num = {o.point.num: o for o in outcomes}
         for num, ret in enumerate(runs, start=first_num):
             outcome = by_num.get(num)
