@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import socket
 import stat
 import subprocess
@@ -30,7 +31,7 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import REPO, compose_job, read_metrics, submit
+from conftest import REPO, compose_job, missing, read_metrics, submit
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpujobs.errors import ConfigError
@@ -397,6 +398,42 @@ def test_a_planted_symlink_is_replaced_not_followed_and_a_stranger_file_is_left(
     assert target.path.read_text() == "[]\n"
     assert any("replaced by someone else" in r.getMessage() for r in caplog.records)
     assert sorted(p.name for p in sd_dir.iterdir()) == [target.path.name]
+
+
+SQUATTED = """
+import json, logging, sys
+from pathlib import Path
+from gpujobs.run.prometheus import FileSdTarget
+logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+target = FileSdTarget(Path(sys.argv[1]), "rec", Path(sys.argv[2]))
+ok = target.write("n1:9100", {"job": "rec"})
+print(json.dumps({"ok": ok, "path": str(target.path), "entry": json.loads(target.path.read_text())}))
+target.remove()
+"""
+
+
+def test_a_name_squatted_in_a_sticky_shared_dir_is_announced_under_another(tmp_path: Path) -> None:
+    """Another user made the job's target name first, in a sticky dir that is neither ours nor theirs
+    to override: the rename is refused, and the job is announced under a random name instead."""
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        missing("root and setpriv: the squatter's file needs another owner, the writer no CAP_FOWNER")
+    sd_dir, run_dir = tmp_path / "sd", tmp_path / "run"
+    sd_dir.mkdir(mode=0o1777)
+    run_dir.mkdir()
+    os.chmod(sd_dir, 0o1777)
+    os.chown(sd_dir, 65534, 65534)  # a shared dir someone else made (neither writer owns it)
+    squat = FileSdTarget(sd_dir, "rec", run_dir).path
+    squat.write_text('[{"targets": ["evil:1"], "labels": {"job": "rec"}}]\n')
+    os.chown(squat, 65534, 65534)
+    # root without CAP_FOWNER: in a sticky dir, like any other user, it may not replace another's file
+    proc = subprocess.run(["setpriv", "--bounding-set=-fowner", "--inh-caps=-fowner", sys.executable, "-c", SQUATTED,
+                           str(sd_dir), str(run_dir)], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    seen = json.loads(proc.stdout)
+    assert seen["ok"] and seen["path"] != str(squat) and Path(seen["path"]).parent == sd_dir, seen
+    assert seen["entry"] == [{"targets": ["n1:9100"], "labels": {"job": "rec"}}]
+    assert "belongs to uid 65534" in proc.stderr, proc.stderr
+    assert sorted(p.name for p in sd_dir.iterdir()) == [squat.name]  # ours withdrawn, theirs left
 
 
 def test_a_vanished_sd_dir_is_logged_and_the_endpoint_serves_on(

@@ -21,6 +21,7 @@ import hashlib
 import json
 import logging
 import os
+import secrets
 import socket
 import tempfile
 import time
@@ -208,8 +209,10 @@ class FileSdTarget:
     written under a fresh random name (`mkstemp`: O_CREAT | O_EXCL | O_NOFOLLOW, so a planted file or
     symlink is never opened), made 0644 for the Prometheus user to read, fsynced, then renamed over
     the target name, which replaces whatever is there (a symlink included) without following it. A
-    requeued attempt of the same run writes the same name. `remove` unlinks the file only if it is
-    still the one written here. A failure is logged and the job carries on without a target.
+    requeued attempt of the same run writes the same name. Where another user's file holds that name in
+    a sticky shared directory (the rename is refused), the target takes a random name instead, so a
+    squatter cannot keep the job from being found. `remove` unlinks the file only if it is still the
+    one written here. A failure is logged and the job carries on without a target.
     """
 
     def __init__(self, sd_dir: Path, job_name: str, run_dir: Path) -> None:
@@ -231,7 +234,11 @@ class FileSdTarget:
                 handle.flush()
                 os.fsync(fd)
                 info = os.fstat(fd)
-            os.replace(tmp, self.path)
+            try:
+                os.replace(tmp, self.path)
+            except PermissionError:  # a sticky shared dir, where another user's file holds the name
+                self._take_another_name()
+                os.replace(tmp, self.path)
             tmp = None
         except OSError as err:
             log.warning("could not write the Prometheus file_sd target %s (%s): a site Prometheus will not "
@@ -244,6 +251,13 @@ class FileSdTarget:
         self._written = (info.st_dev, info.st_ino)
         log.info("Prometheus file_sd target %s: %s", self.path, address)
         return True
+
+    def _take_another_name(self) -> None:
+        """Announce under a random name instead: nobody can have made it first (a squatter is logged)."""
+        with contextlib.suppress(OSError):
+            log.warning("%s belongs to uid %d, not to this job: announcing the target under another name",
+                        self.path, os.lstat(self.path).st_uid)
+        self.path = self.path.with_name(f"{self.path.stem}-{secrets.token_hex(8)}.json")
 
     def remove(self) -> None:
         """Withdraw the target, unless the file is no longer the one written here (then leave it, logged)."""
