@@ -83,14 +83,12 @@ SLOW = (
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (`-n 2 --dist loadgroup`, as scripts/test.sh runs it), the tests of the live
-    Slurm cluster run one after another on one worker: they share its two nodes, and some need them
-    idle. The other tests spread over both workers, filling the time Slurm tests spend waiting."""
-    if not config.pluginmanager.hasplugin("xdist"):
-        return
+    """Every test that uses the live Slurm cluster carries the `slurm` marker, whether or not it says so:
+    scripts/test.sh runs `-m slurm` (one after another: they share the cluster's two nodes, and some need
+    them idle) beside `-m "not slurm"`, which fills the time the Slurm tests spend waiting."""
     for item in items:
-        if item.get_closest_marker("slurm") or "slurm" in getattr(item, "fixturenames", ()):
-            item.add_marker(pytest.mark.xdist_group("slurm"))
+        if "slurm" in getattr(item, "fixturenames", ()) and not item.get_closest_marker("slurm"):
+            item.add_marker(pytest.mark.slurm)
 
 
 @pytest.fixture(autouse=True)
