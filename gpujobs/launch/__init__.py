@@ -110,8 +110,9 @@ def start(job: JobConfig, run_dir: Path) -> int:
         from gpujobs.launch.local import run_local
 
         return run_local(job, run_dir)
-    except (SubmitError, ConfigError):  # refused before anything ran or was queued (sbatch said no, too few
-        lease.release(run_dir, me)  # GPUs free): nothing of this submission stays
+    except (SubmitError, ConfigError):
+        # refused before anything ran or was queued (sbatch said no, too few GPUs free): nothing of it stays
+        lease.release(run_dir, me)
         if not had_config:
             (run_dir / CONFIG_FILE).unlink(missing_ok=True)
         raise
