@@ -10,7 +10,7 @@ import os
 import sys
 import traceback
 from pathlib import Path
-from typing import Optional
+from typing import NoReturn, Optional
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -28,6 +28,13 @@ CONFIG_DIR = str(config_dir())
 EXIT_REFUSED = 2
 
 _task_started = False
+
+
+def _refuse(err: GpujobsError, where: str = "") -> NoReturn:
+    """Say why in one line (`config error:` for a bad value) and exit 2."""
+    prefix = "config error: " if isinstance(err, ConfigError) else ""
+    print(f"gpujobs: {prefix}{err}{where}", file=sys.stderr)
+    raise SystemExit(EXIT_REFUSED) from None
 
 
 def _task(cfg: DictConfig) -> int:
@@ -50,14 +57,9 @@ def _task(cfg: DictConfig) -> int:
             plan.add(job, run_dir, hydra_cfg.job.num, list(hydra_cfg.overrides.task))
             return 0
         code = launch(job, run_dir)
-    except ConfigError as err:
-        discard_if_empty(run_dir)
-        print(f"gpujobs: config error: {err}{where}", file=sys.stderr)
-        raise SystemExit(EXIT_REFUSED) from None
     except GpujobsError as err:
         discard_if_empty(run_dir)
-        print(f"gpujobs: {err}{where}", file=sys.stderr)
-        raise SystemExit(EXIT_REFUSED) from None
+        _refuse(err, where)
     if code:
         raise SystemExit(code)
     return code
@@ -104,9 +106,7 @@ def main(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> None:
             raise SystemExit(EXIT_REFUSED) from None
         raise
     except GpujobsError as err:  # raised by the sweep's launcher, once every point was planned
-        prefix = "config error: " if isinstance(err, ConfigError) else ""
-        print(f"gpujobs: {prefix}{err}", file=sys.stderr)
-        raise SystemExit(EXIT_REFUSED) from None
+        _refuse(err)
     except (HydraException, OmegaConfBaseException) as err:
         if _task_started:
             raise

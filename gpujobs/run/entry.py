@@ -171,9 +171,9 @@ class _Attempt:
 
         message = str(err).strip().splitlines()
         error = f"{type(err).__name__}: {message[0] if message else ''}"
-        own = failures.RankFailure(self.info.rank, self.info.node, error, time.time())
-        failures.leave(Path(self.run_dir), own)
-        if not self.info.is_main:
+        info = self.info
+        blamed = failures.fail(Path(self.run_dir), info.rank, info.node, info.world_size, error)
+        if blamed is None:  # not rank 0
             return
         from gpujobs.run.preemption import record_attempt
 
@@ -182,7 +182,6 @@ class _Attempt:
             "steps_done": trainer.step, "resumed_from": trainer.resumed_from, "resume_skipped": trainer.resume_skipped,
             "world_size": trainer.info.world_size, "trained_from": trainer.trained_from,
         }
-        blamed = failures.attempt_fields(Path(self.run_dir), self.info.world_size, own)
         try:
             record_attempt(self.run_dir, self.job, "failed", start=round(self.started, 3), **blamed, **progress)
         except Exception as record_err:  # never hide the real failure behind this one

@@ -84,3 +84,11 @@ def attempt_fields(run_dir: Path, world_size: int, own: RankFailure) -> dict[str
     if world_size == 1:
         return {"error": own.error, "culprit_rank": own.rank, "node": own.node}
     return {"error": f"rank {own.rank}: {own.error}"}
+
+
+def fail(run_dir: Path, rank: int, node: str, world_size: int, error: str) -> Optional[dict[str, Any]]:
+    """This rank failed with `error`: leave it for rank 0; on rank 0, the attempt's `record_attempt`
+    fields (`attempt_fields`), None on the others."""
+    own = RankFailure(rank, node, error, time.time())
+    leave(run_dir, own)
+    return attempt_fields(run_dir, world_size, own) if rank == 0 else None

@@ -66,13 +66,12 @@ class ScriptJob:
         if code != 0:
             from gpujobs.run import failures
 
-            error = f"{script.path} exited with code {code} on rank {info.rank}"
-            own = failures.RankFailure(info.rank, info.node, f"{script.path} exited with code {code}", time.time())
-            failures.leave(Path(self.run_dir), own)
-            if info.is_main:  # the rank that failed first, if not this one (its peers fail of it)
-                blamed = failures.attempt_fields(Path(self.run_dir), info.world_size, own)
+            error = f"{script.path} exited with code {code}"
+            # rank 0 records the rank that failed first, if not itself (its peers fail of it)
+            blamed = failures.fail(Path(self.run_dir), info.rank, info.node, info.world_size, error)
+            if blamed is not None:
                 record_attempt(self.run_dir, self.job, "failed", **line, **blamed)
-            raise RuntimeError(error)
+            raise RuntimeError(f"{error} on rank {info.rank}")
         result = {
             "status": "completed",
             "kind": "script",
