@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
 
 from gpujobs.errors import ConfigError
+from gpujobs.rundir import NCCL_DIR
 from gpujobs.validate import Checked, bounds
 
 #: NCCL environment variables gpujobs accepts in `nccl.extra` (from NCCL's documented list).
@@ -46,6 +49,11 @@ FLAG_NCCL_VARS: frozenset[str] = frozenset(
 TRISTATE_NCCL_VARS: frozenset[str] = frozenset(
     {"NCCL_CROSS_NIC", "NCCL_IB_PCI_RELAXED_ORDERING", "NCCL_MNNVL_ENABLE", "NCCL_NVLS_ENABLE"}
 )
+#: Variables naming a file NCCL *writes*: every rank fopen()s it for writing, following symlinks, so a path
+#: in a shared place (/tmp) is one another user can plant a link at. They take a bare file name, and each
+#: rank gets it as RUN_DIR/nccl/<name> (`NcclSettings.to_env`). NCCL_GRAPH_FILE and NCCL_TOPO_FILE are
+#: only read: they keep taking a path.
+OUTPUT_FILE_VARS: frozenset[str] = frozenset({"NCCL_DEBUG_FILE", "NCCL_GRAPH_DUMP_FILE", "NCCL_TOPO_DUMP_FILE"})
 _TRUTH = {"1": "1", "true": "1", "yes": "1", "on": "1", "0": "0", "false": "0", "no": "0", "off": "0"}
 
 DEBUG_LEVELS = ("VERSION", "WARN", "INFO", "TRACE")
@@ -53,6 +61,9 @@ DEBUG_LEVELS = ("VERSION", "WARN", "INFO", "TRACE")
 _IFNAME = re.compile(r"\^?=?[A-Za-z0-9_.:-]+(,[A-Za-z0-9_.:-]+)*")
 _SAFE_VALUE = re.compile(r"[A-Za-z0-9_.,:=^/+-]*")
 _SAFE_TEXT = "letters, digits and _.,:=^/+-"
+# NCCL puts the host for %h and the pid for %p into NCCL_DEBUG_FILE: one file per rank
+_FILE_NAME = re.compile(r"(?:[A-Za-z0-9_.+-]|%[hp])+")
+_FILE_NAME_TEXT = f"a file name (letters, digits and _.+-; %h host, %p pid), placed in RUN_DIR/{NCCL_DIR}/"
 #: The variable each typed field sets; the same variable in `extra` as well is refused.
 TYPED_VARS = {
     "debug": "NCCL_DEBUG",
@@ -97,7 +108,8 @@ class NcclSettings(Checked):
     RUN_DIR/hangs/<attempt>/ when the hang watchdog fires (0: no recorder)."""
     extra: dict[str, str] = field(default_factory=dict)
     """Other NCCL_* variables; only names NCCL documents are accepted, on/off ones as 0/1 (true/false ok),
-    and none that a typed field above sets."""
+    and none that a typed field above sets. The files NCCL writes (`OUTPUT_FILE_VARS`) take a bare name,
+    placed in RUN_DIR/nccl/ on every rank."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -113,9 +125,16 @@ class NcclSettings(Checked):
                 )
         self.extra = {key: _extra_value(key, value) for key, value in self.extra.items()}
 
-    def to_env(self) -> dict[str, str]:
-        """The environment variables these settings mean, ready for `os.environ.update`."""
-        env = dict(self.extra)
+    def to_env(self, run_dir: Optional[Path] = None) -> dict[str, str]:
+        """The environment variables these settings mean, ready for `os.environ.update`.
+
+        The files NCCL writes are RUN_DIR/nccl/<name> for the ranks of `run_dir`. Without a run dir
+        they are left out: the submit side's sbatch script serves every point of a sweep (and a rerun
+        dir) alike, so only a rank knows its run dir; `export_env` sets them there.
+        """
+        env = {key: value for key, value in self.extra.items() if key not in OUTPUT_FILE_VARS}
+        if run_dir is not None:
+            env.update(self._output_files(run_dir))
         named = {
             "debug": self.debug.upper() if self.debug else None,
             "debug_subsys": self.debug_subsys,
@@ -127,6 +146,33 @@ class NcclSettings(Checked):
         env.update({TYPED_VARS[key]: value for key, value in named.items() if value is not None})
         env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "1" if self.async_error_handling else "0"
         return env
+
+    def export_env(self, run_dir: Optional[Path]) -> dict[str, str]:
+        """Set `to_env(run_dir)` in this rank's environment, before NCCL initialises; returns it.
+
+        RUN_DIR/nccl/ is made first (mode 0700), so that NCCL finds the directory of its files. Without
+        a run dir (a process group outside a run, as the benchmarks make) a file asked for is refused,
+        not dropped without a word.
+        """
+        files = sorted(key for key in self.extra if key in OUTPUT_FILE_VARS)
+        if files and run_dir is None:
+            raise ValueError(f"nccl.extra.{files[0]} is a file NCCL writes in RUN_DIR/{NCCL_DIR}/: no run dir given")
+        if files and run_dir is not None:
+            (Path(run_dir) / NCCL_DIR).mkdir(mode=0o700, exist_ok=True)
+        env = self.to_env(run_dir)
+        os.environ.update(env)
+        return env
+
+    def _output_files(self, run_dir: Path) -> dict[str, str]:
+        """The files NCCL writes, as the absolute paths a rank of `run_dir` gives NCCL."""
+        folder = Path(run_dir).absolute() / NCCL_DIR
+        files = {}
+        for key, name in self.extra.items():
+            if key in OUTPUT_FILE_VARS:
+                # NCCL expands % in NCCL_DEBUG_FILE (%% is one %): the run dir's own % must stay a %
+                where = str(folder).replace("%", "%%") if key == "NCCL_DEBUG_FILE" else str(folder)
+                files[key] = f"{where}/{name}"
+        return files
 
 
 def _extra_value(key: str, value: object) -> str:
@@ -141,6 +187,11 @@ def _extra_value(key: str, value: object) -> str:
             three = " or 2" if key in TRISTATE_NCCL_VARS else ""
             raise ConfigError(f"extra.{key}", value, f"0 or 1{three} (true/false, yes/no, on/off for 1/0)")
         return normal
+    if key in OUTPUT_FILE_VARS:
+        # a bare name: no directory of the user's choosing, and no way out of RUN_DIR/nccl/
+        if not _FILE_NAME.fullmatch(text) or text in (".", ".."):
+            raise ConfigError(f"extra.{key}", value, _FILE_NAME_TEXT)
+        return text
     if not _SAFE_VALUE.fullmatch(text):
         raise ConfigError(f"extra.{key}", value, _SAFE_TEXT)
     return text

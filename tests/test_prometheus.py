@@ -474,25 +474,31 @@ def test_a_slurm_job_labels_its_target_with_its_job_id_and_node(
     assert list(sd_dir.iterdir()) == []
 
 
-@pytest.mark.parametrize("kind", ["missing", "a file", "world-writable", "empty"])
+@pytest.mark.parametrize("kind", ["missing", "a file", "world-writable", "group-writable", "empty"])
 def test_a_bad_sd_dir_is_one_config_error(tmp_path: Path, kind: str) -> None:
     path = {"missing": tmp_path / "nope", "a file": tmp_path / "file", "world-writable": tmp_path / "open",
-            "empty": ""}[kind]
+            "group-writable": tmp_path / "team", "empty": ""}[kind]
     if kind == "a file":
         Path(path).write_text("")
     if kind == "world-writable":
         Path(path).mkdir()
         Path(path).chmod(0o777)  # anyone could swap a job's target for an address of theirs
+    if kind == "group-writable":
+        Path(path).mkdir()
+        Path(path).chmod(0o770)  # any member of the group could rename a file of theirs over a job's target
     with pytest.raises(ConfigError) as err:
         compose_job("+experiment=rec", "+debug=tiny", f"telemetry.prometheus_sd_dir='{path}'")
     assert err.value.key == "telemetry.prometheus_sd_dir"
     assert "an existing directory" in err.value.allowed
 
 
-def test_a_sticky_shared_sd_dir_is_taken_and_made_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("mode", [0o1777, 0o1770])
+def test_a_sticky_shared_sd_dir_is_taken_and_made_absolute(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: int
+) -> None:
     shared = tmp_path / "shared"
     shared.mkdir()
-    shared.chmod(0o1777)  # like /tmp: others may add files, not replace ours
+    shared.chmod(mode)  # like /tmp, or a team dir (chmod 1770): others may add files, not replace ours
     monkeypatch.chdir(tmp_path)
     job = compose_job("+experiment=rec", "+debug=tiny", "telemetry.prometheus_sd_dir=shared")
     assert job.telemetry.prometheus_sd_dir == str(shared.resolve())
@@ -507,3 +513,16 @@ def test_submit_refuses_a_bad_sd_dir_in_one_line_with_exit_2(run_dir: Path) -> N
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "telemetry.prometheus_sd_dir" in lines[0] and str(missing) in lines[0]
     assert not run_dir.exists()
+
+
+def test_submit_refuses_a_group_writable_sd_dir_in_one_line_with_exit_2(run_dir: Path) -> None:
+    team = run_dir.parent / "team-sd"
+    team.mkdir(parents=True)
+    team.chmod(0o770)  # group-writable, not sticky: a member could rename their file over a job's target
+    proc = submit(run_dir, "+experiment=rec", "+debug=tiny", "cluster=local", f"telemetry.prometheus_sd_dir={team}",
+                  timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "telemetry.prometheus_sd_dir" in lines[0] and str(team) in lines[0], lines
+    assert "sticky" in lines[0]
+    assert not run_dir.exists() and list(team.iterdir()) == []

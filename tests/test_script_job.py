@@ -44,6 +44,29 @@ def test_a_rank_that_fails_first_is_the_one_the_ledger_names(run_dir: Path) -> N
     assert f"last error: rank 1: {SCRIPT} exited with code 1" in proc.stdout, proc.stdout
 
 
+def test_a_rank_that_fails_after_rank_0_is_done_fails_the_attempt(run_dir: Path) -> None:
+    """Rank 0's script exits 0; rank 1's exits 3 after it. The attempt is failed, naming rank 1, and no
+    result says completed: only what sees every rank end (here the launcher) may record it."""
+    proc = submit(run_dir, "cluster=local", "resources.procs_per_node=2", f"+script.path={SCRIPT}",
+                  "+script.args=[--fail-late,1]", "cluster.max_restarts=0")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert (run_dir / "seen_rank0.json").exists()  # rank 0's script did finish first
+    (line,) = attempts(run_dir)
+    assert line["reason"] == "failed" and line["recorded_by"] == "launcher", line
+    assert line["culprit_rank"] == 1 and line["error"] == f"rank 1: {SCRIPT} exited with code 3", line
+    assert not (run_dir / "result.json").exists()
+
+
+def test_a_script_that_completes_on_every_rank_is_recorded_by_the_launcher(run_dir: Path) -> None:
+    proc = submit(run_dir, "cluster=local", "resources.procs_per_node=2", f"+script.path={SCRIPT}")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (line,) = attempts(run_dir)
+    assert line["reason"] == "completed" and line["recorded_by"] == "launcher", line
+    assert line["world_size"] == 2 and line["script_exit"] == 0 and line["start"] <= line["end"], line
+    assert read_result(run_dir)["world_size"] == 2
+    assert "gpujobs: status=completed" in proc.stdout, proc.stdout
+
+
 def test_missing_script_is_refused(run_dir: Path) -> None:
     proc = submit(run_dir, "cluster=local", "+script.path=/nowhere/train.py")
     assert proc.returncode == 2

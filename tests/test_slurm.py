@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, read_result, sacct_state, slurm_job_id, submit
+from jobctl import attempts
 
 pytestmark = pytest.mark.slurm
 
@@ -75,6 +76,25 @@ def test_torchrun_style_script_on_two_nodes(run_dir: Path, slurm: dict[str, str]
     assert sorted(s["node"] for s in seen) == ["node1", "node2"]
     assert all(s["rank_sum"] == 1.0 and s["MASTER_ADDR"] == "node1" for s in seen)
     assert seen[0]["MASTER_PORT"] == seen[1]["MASTER_PORT"]
+    (line,) = attempts(run_dir)  # only the step's end shows that every rank's script exited 0
+    assert line["reason"] == "completed" and line["recorded_by"] == "supervisor" and line["world_size"] == 2, line
+    assert read_result(run_dir)["world_size"] == 2
+
+
+def test_a_script_rank_that_fails_after_rank_0_is_done_fails_the_slurm_attempt(
+    run_dir: Path, slurm: dict[str, str]
+) -> None:
+    """Rank 1's script, on node2, exits 3 after rank 0's exited 0: the supervisor records the attempt as
+    failed, naming rank 1 and node2 from the error the rank left, and excludes no node (a bug, not a crash)."""
+    proc = submit(run_dir, "cluster=slurm", *TWO_NODES, f"+script.path={SCRIPT}", "+script.args=[--fail-late,1]",
+                  "cluster.wait=true", "cluster.max_restarts=0", env=slurm)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    (line,) = attempts(run_dir)
+    assert line["reason"] == "failed" and line["recorded_by"] == "supervisor", line
+    assert line["culprit_rank"] == 1 and line["node"] == "node2" and "excluded" not in line, line
+    assert line["error"] == f"rank 1: {SCRIPT} exited with code 3", line
+    assert not (run_dir / "result.json").exists()
+    assert f"last error: rank 1: {SCRIPT} exited with code 3" in proc.stdout, proc.stdout
 
 
 def test_a_job_that_sbatch_refuses_leaves_no_run_dir_and_no_lease(tmp_path: Path, slurm: dict[str, str]) -> None:

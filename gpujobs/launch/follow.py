@@ -11,6 +11,7 @@ from gpujobs.atomic import JsonlTail
 from gpujobs.config import JobConfig
 from gpujobs.progress import ProgressView
 from gpujobs.rundir import METRICS_FILE, RESULT_FILE
+from gpujobs.rundir.lease import slurm_state
 from gpujobs.rundir.records import read_attempts, read_result
 
 _POLL_S = 0.25
@@ -67,7 +68,6 @@ class JobFollower:
             raise
         except (submitit.core.utils.FailedJobError, submitit.core.utils.UncompletedJobError) as err:
             return failure_line(err)
-        self.print_result()
         return None
 
     def print_result(self) -> None:
@@ -105,6 +105,23 @@ def ranks_of_last_attempt(run_dir: Path, job_id: str) -> Optional[int]:
         return attempts[-1].world_size
     result = read_result(run_dir)
     return result.world_size if result is not None else None
+
+
+#: The states of a Slurm job whose batch step may still run (the supervisor, after the ranks ended).
+_STEP_STATES = {"RUNNING", "COMPLETING", "CONFIGURING", "SIGNALING", "STAGE_OUT", "STOPPED", "SUSPENDED"}
+
+
+def settle(job_id: str, timeout_s: float = 120.0) -> None:
+    """Wait (at most `timeout_s`) until Slurm job `job_id`'s batch step is over.
+
+    submitit calls a job done once its ranks' results are there, but the supervisor beside them writes
+    its line after they end (a script job's `completed`, a failure rank 0 did not live or stay to record):
+    what the ledger says of the attempt is known only once the batch step is over. A requeued job is
+    pending again, so it is over too; a Slurm that cannot be asked is not waited for.
+    """
+    deadline = time.monotonic() + timeout_s
+    while slurm_state(job_id) in _STEP_STATES and time.monotonic() < deadline:
+        time.sleep(0.5)
 
 
 def failure_line(err: Exception) -> str:

@@ -10,15 +10,18 @@ from __future__ import annotations
 import functools
 import itertools
 import socket
+import time
 from pathlib import Path
 from typing import Any
 
 from gpujobs.config import JobConfig
 from gpujobs.errors import ConfigError
 from gpujobs.launch.follow import JobFollower
+from gpujobs.run import failures
 from gpujobs.run.evidence import descendants, kill_tree
 from gpujobs.run.hangs import HangReport, Watchdog
 from gpujobs.run.payload import FromRunDir
+from gpujobs.run.script import record_completed
 from gpujobs.rundir.attempts import AttemptLog, Decision
 
 
@@ -66,6 +69,7 @@ def run_local(job: JobConfig, run_dir: Path) -> int:
     with JobFollower(run_dir, job) as follower:
         for number in itertools.count(1):
             before = len(attempts.read())
+            started = time.time()
             sjob = executor.submit(FromRunDir(str(run_dir), master_port=free_port()))
             # submitit waits up to 15 s per rank for a result file that a slow shared filesystem may
             # not show yet; here the disk is local, and a rank that stopped to be requeued leaves none.
@@ -80,11 +84,15 @@ def run_local(job: JobConfig, run_dir: Path) -> int:
                                         kill=functools.partial(_kill_local_job, sjob))
             error = follower.follow(sjob, tick=watchdog.tick if watchdog else None)
             if error is None:
+                if job.script is not None and len(attempts.read()) == before:  # its ranks left the line to us
+                    record_completed(run_dir, job, res.ranks_per_node, started, time.time() - started,
+                                     recorded_by="launcher")
+                follower.print_result()
                 return 0
             if watchdog is not None and watchdog.report is not None:
                 reason, decision, error = _record_hang(job, attempts, before, watchdog.report)
             else:
-                reason, decision, error = _judge_attempt(job, attempts, before, error)
+                reason, decision, error = _judge_attempt(job, attempts, before, error, f"local:{sjob.job_id}")
             if not decision.requeue:
                 print(f"gpujobs: job ended: {reason}, {decision.why}; last error: {error}")
                 print(f"gpujobs: per-rank logs in {executor.folder}")
@@ -113,8 +121,11 @@ def _record_hang(job: JobConfig, attempts: AttemptLog, before: int, report: Hang
     return "hung", Decision(recorded.requeue, recorded.why), fields["error"]
 
 
-def _judge_attempt(job: JobConfig, attempts: AttemptLog, before: int, error: str) -> tuple[str, Decision, str]:
-    """Rank 0 records each attempt it survives; if it died first, the launcher records the failure.
+def _judge_attempt(job: JobConfig, attempts: AttemptLog, before: int, error: str,
+                   attempt: str) -> tuple[str, Decision, str]:
+    """Rank 0 records each attempt it survives; if it died first, or was done before another rank
+    failed (a script's), the launcher records the failure: the first error a rank of `attempt` left
+    (`gpujobs.run.failures`), else submitit's.
 
     Returns the attempt's reason, the decision, and its error: rank 0's own words where it recorded
     them (submitit's last line may only name a log file).
@@ -123,6 +134,7 @@ def _judge_attempt(job: JobConfig, attempts: AttemptLog, before: int, error: str
     if len(history) > before:
         last = history[-1]
         return last.reason, Decision(last.requeue, last.why), last.error or error
-    recorded = attempts.record(job.cluster, "failed", error=error, recorded_by="launcher",
-                               world_size=job.resources.ranks_per_node)  # a local job's ranks: one node's
-    return "failed", Decision(recorded.requeue, recorded.why), error
+    ranks = job.resources.ranks_per_node  # a local job's ranks: one node's
+    fields = failures.left_fields(attempts.path.parent, ranks, attempt) or {"error": error}
+    recorded = attempts.record(job.cluster, "failed", recorded_by="launcher", world_size=ranks, **fields)
+    return "failed", Decision(recorded.requeue, recorded.why), fields["error"]

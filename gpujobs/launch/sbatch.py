@@ -76,6 +76,8 @@ def sbatch_request(job: JobConfig, folder: Path, command: str, *, array: Optiona
     ]
     return SbatchRequest(
         flags=tuple(flags),
+        # no run dir: one script serves every point of an array (and a rerun dir), so each rank sets the
+        # files NCCL writes under its own run dir (`NcclSettings.export_env`), and the script names none
         env=tuple(sorted(job.nccl.to_env().items())),
         stdout=f"{log_stem}_%t_log.out",
         stderr=f"{log_stem}_%t_log.err",

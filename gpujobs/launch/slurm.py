@@ -114,15 +114,17 @@ def run_slurm(job: JobConfig, run_dir: Path) -> int:
     print(f"gpujobs: submitted Slurm job {sjob.job_id}; run dir {run_dir}", flush=True)
     if not job.cluster.should_wait:
         return 0
-    from gpujobs.launch.follow import JobFollower  # rich: only paid when following
+    from gpujobs.launch.follow import JobFollower, settle  # rich: only paid when following
 
     with JobFollower(run_dir, job) as follower:
         error = follower.follow(sjob)
-    if error is not None:
-        print(f"gpujobs: job {sjob.job_id} {_ending(run_dir, str(sjob.job_id), error)}")
-        print(f"gpujobs: per-rank logs in {run_dir / job.cluster.folder}")
-        return 1
-    return 0
+        settle(str(sjob.job_id))
+        if error is None:
+            follower.print_result()
+            return 0
+    print(f"gpujobs: job {sjob.job_id} {_ending(run_dir, str(sjob.job_id), error)}")
+    print(f"gpujobs: per-rank logs in {run_dir / job.cluster.folder}")
+    return 1
 
 
 def _ending(run_dir: Path, job_id: str, error: str) -> str:

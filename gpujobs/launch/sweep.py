@@ -244,12 +244,13 @@ def wait_for(outcomes: list[Outcome]) -> None:
     """
     import submitit
 
-    from gpujobs.launch.follow import failure_line, results
+    from gpujobs.launch.follow import failure_line, results, settle
 
     pending = [o for o in outcomes if o.handle is not None]
     while pending:
         for outcome in [o for o in pending if o.handle.done()]:
             pending.remove(outcome)
+            settle(str(outcome.handle.job_id))  # its ledger line is written by then
             try:
                 results(outcome.handle, outcome.point.run_dir)
             except (submitit.core.utils.FailedJobError, submitit.core.utils.UncompletedJobError) as err:

@@ -59,10 +59,13 @@ def torch_nccl_env(job: JobConfig, run_dir: Path) -> dict[str, str]:
     return env
 
 
-def init_process_group(info: DistInfo, nccl: NcclSettings, timeout_s: int) -> Optional[str]:
-    """Apply NCCL settings, then join the group (`backend_for`); returns the backend, or None when
-    there is one rank and `GPUJOBS_FORCE_PROCESS_GROUP` is not 1 (no group at all)."""
-    os.environ.update(nccl.to_env())  # before the group exists: NCCL reads them at init
+def init_process_group(
+    info: DistInfo, nccl: NcclSettings, timeout_s: int, run_dir: Optional[Path] = None
+) -> Optional[str]:
+    """Apply NCCL settings (the files NCCL writes go to `run_dir`/nccl/), then join the group
+    (`backend_for`); returns the backend, or None when there is one rank and
+    `GPUJOBS_FORCE_PROCESS_GROUP` is not 1 (no group at all)."""
+    nccl.export_env(run_dir)  # before the group exists: NCCL reads them at init
     if info.world_size == 1 and os.environ.get(FORCE_GROUP_ENV) != "1":
         return None
     export_torchrun_env(info)

@@ -89,7 +89,7 @@ class TrainJob:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True, warn_only=True)
         os.environ.update(distributed.torch_nccl_env(job, run_dir))  # the flight recorder and NCCL's monitor
-        backend = distributed.init_process_group(info, job.nccl, job.trainer.pg_timeout_s)
+        backend = distributed.init_process_group(info, job.nccl, job.trainer.pg_timeout_s, run_dir)
         cleanup.callback(distributed.destroy_process_group)
         cleanup.callback(attempt.drop)  # first: no DDP wrapper may outlive the process group
         device = distributed.device_for(info)
@@ -97,7 +97,7 @@ class TrainJob:
         log.info("rank %d/%d on %s (%s, %s)", info.rank, info.world_size, info.node, device, group)
         if watcher.flagged:
             log.warning("USR2 came while this rank was starting: it stops at the first agreed step boundary")
-        log.info("NCCL environment: %s", {key: os.environ[key] for key in sorted(job.nccl.to_env())})
+        log.info("NCCL environment: %s", {key: os.environ[key] for key in sorted(job.nccl.to_env(run_dir))})
         if job.resources.gpus_per_node and device.type == "cpu":
             log.warning("GPUs were requested but CUDA is not available here: training on the CPU with gloo")
         ranks = distributed.gather_ranks(info)

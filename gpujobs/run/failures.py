@@ -67,11 +67,26 @@ def first(run_dir: Path, world_size: int, own: RankFailure, grace_s: float = 1.0
     attempt = instance()
     deadline = time.monotonic() + grace_s
     while True:
-        found = [f for rank in range(world_size) if rank != own.rank
-                 and (f := _read(failure_path(run_dir, rank), attempt)) is not None]
+        found = [f for f in _left(run_dir, world_size, attempt) if f.rank != own.rank]
         if found or world_size == 1 or time.monotonic() >= deadline:
             return min([own, *found], key=lambda f: (f.at, f.rank))
         time.sleep(0.1)
+
+
+def _left(run_dir: Path, world_size: int, attempt: str) -> list[RankFailure]:
+    """The failures the ranks of `attempt` left, each file opened by name."""
+    return [f for rank in range(world_size) if (f := _read(failure_path(run_dir, rank), attempt)) is not None]
+
+
+def left_fields(run_dir: Path, world_size: int, attempt: str) -> Optional[dict[str, Any]]:
+    """For what stood beside the ranks (the supervisor, the local launcher), once every rank ended and
+    rank 0 recorded nothing: the `record_attempt` fields of the first failure a rank of `attempt` left,
+    or None where none left one (a rank that was killed)."""
+    found = _left(run_dir, world_size, attempt)
+    if not found:
+        return None
+    cause = min(found, key=lambda f: (f.at, f.rank))
+    return {"error": f"rank {cause.rank}: {cause.error}", "culprit_rank": cause.rank, "node": cause.node}
 
 
 def attempt_fields(run_dir: Path, world_size: int, own: RankFailure) -> dict[str, Any]:

@@ -124,7 +124,8 @@ def record_attempt(run_dir: str, job: JobConfig, reason: str, **fields: Any) -> 
     notes: list[str] = []  # said in the line's why once the requeue is done
     node = fields.get("node")
     goes_again = RequeuePolicy.of(job.cluster).decide(ledger.read(), reason).requeue
-    crash = reason == "failed" and fields.get("recorded_by") == "supervisor"
+    # a rank that left its own error (`culprit_rank`) lived to report it: a bug, not a crash of the node
+    crash = reason == "failed" and fields.get("recorded_by") == "supervisor" and fields.get("culprit_rank") is None
     if slurm_job is not None and (reason in NODE_FAULTS or crash) and node and goes_again:
         exclusion, problem = _plan_exclusion(ledger, job, slurm_job, reason, str(node))
         if problem is not None:

@@ -8,7 +8,8 @@ or the job is preempted) the script gets SIGTERM: it should save what it needs i
 and exit before the time limit (it has `cluster.signal_lead_s` seconds; a preempted job has the
 partition's GraceTime). Rank 0 then records the attempt and, within `cluster.max_preemptions` or
 `cluster.max_timeouts`, requeues the job; the next attempt runs the script again, which resumes from
-what it saved. A script that fails by itself is recorded as failed, within `cluster.max_restarts`.
+what it saved. A script that fails by itself is recorded as failed, within `cluster.max_restarts`. An attempt is
+recorded completed once every rank's script exited 0 (`record_completed`).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ class ScriptJob:
             raise TypeError("ScriptJob needs a job with a script (make_payload builds it only then)")
         info = detect(self.master_port)
         export_torchrun_env(info)
-        os.environ.update(self.job.nccl.to_env())
+        self.job.nccl.export_env(Path(self.run_dir))
         os.environ["GPUJOBS_RUN_DIR"] = self.run_dir
         clock = time.perf_counter()
         try:
@@ -72,17 +73,32 @@ class ScriptJob:
             if blamed is not None:
                 record_attempt(self.run_dir, self.job, "failed", **line, **blamed)
             raise RuntimeError(f"{error} on rank {info.rank}")
-        result = {
-            "status": "completed",
-            "kind": "script",
-            "script": script.path,
-            "world_size": info.world_size,
-            "wall_s": round(time.perf_counter() - clock, 3),
-        }
-        if info.is_main:
-            record_attempt(self.run_dir, self.job, "completed", **line)
-            write_result(Path(self.run_dir), result)
-        return {**result, "rank": info.rank, "node": info.node}
+        wall_s = time.perf_counter() - clock
+        if info.is_main and info.world_size == 1:
+            record_completed(Path(self.run_dir), self.job, 1, started, wall_s)
+        # with peers, rank 0 cannot know that theirs will exit 0 too: what sees every rank end records it
+        return {**_result(self.job, info.world_size, wall_s), "rank": info.rank, "node": info.node}
+
+
+def _result(job: JobConfig, world_size: int, wall_s: float) -> dict[str, Any]:
+    path = job.script.path if job.script is not None else ""
+    return {"status": "completed", "kind": "script", "script": path, "world_size": world_size,
+            "wall_s": round(wall_s, 3)}
+
+
+def record_completed(run_dir: Path, job: JobConfig, world_size: int, started: float, wall_s: float,
+                     recorded_by: str = "rank 0") -> None:
+    """Every rank's script exited 0 by itself: the attempt's `completed` line, then result.json.
+
+    Rank 0 records it only when it ran alone. With peers, a script's rank 0 may end before another
+    rank's script fails (a last save, an evaluation on one rank), so the line is written by what stands
+    beside the ranks and sees all of them end: the supervisor of the Slurm step, or the local launcher.
+    """
+    from gpujobs.run.preemption import record_attempt
+
+    record_attempt(str(run_dir), job, "completed", recorded_by=recorded_by, world_size=world_size,
+                   start=round(started, 3), script_exit=0)
+    write_result(run_dir, _result(job, world_size, wall_s))
 
 
 def _run_until_done(command: list[str], cwd: Optional[str], stop_asked: Any) -> int:

@@ -3,9 +3,12 @@
 The sbatch script runs this in the batch step; it runs the job's one `srun` step and stays beside it,
 as the local launcher does for a local job. It records what the ranks could not: an attempt whose rank
 0 died (a SIGKILL, the OOM killer, a segfault), or that ended with no line at all. Such an attempt is
-recorded as `failed`, naming the ranks that `srun` says died, and the failure budget decides, as for
-any attempt, whether the job is requeued. It also holds the run dir's lease: a duplicate job (a hand-run
-`sbatch` of a running run dir) stands down before any rank starts.
+recorded as `failed`, naming the rank whose error came first where one lived to leave it
+(`gpujobs.run.failures`: a script's rank that failed after rank 0 was done), else the ranks that `srun`
+says died; the failure budget decides, as for any attempt, whether the job is requeued. A script job
+whose every rank exited 0 is recorded `completed` here: only the step's end shows that. It also holds
+the run dir's lease: a duplicate job (a hand-run `sbatch` of a running run dir) stands down before any
+rank starts.
 
 It also runs the hang watchdog (`gpujobs.run.hangs`) beside the step: once no rank made progress for
 `trainer.hang_timeout_s`, it takes every rank's stacks (py-spy on this node, SIGUSR1 through
@@ -28,11 +31,12 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from gpujobs.run import start
+from gpujobs.run import failures, start
 from gpujobs.run.hangs import Watchdog
 from gpujobs.run.heartbeat import STACKS_SIGNAL, instance
 from gpujobs.run.jobenv import allocated_world_size
 from gpujobs.run.preemption import record_attempt, slurm_job_id
+from gpujobs.run.script import record_completed
 from gpujobs.rundir.attempts import AttemptLog
 from gpujobs.rundir.files import read_config
 
@@ -130,6 +134,7 @@ def supervise(run_dir: Path, job_id: str, command: list[str]) -> int:
     world = allocated_world_size()
     watchdog = Watchdog.for_job(train_dir, job, world or job.resources.world_size, instance(), before + 1,
                                 kill=kill_steps, signal_remote=ask_stacks)
+    started = time.time()
     code, lines = run_step(command, watchdog)
     if len(ledger.read()) > before:
         return code  # rank 0 recorded the attempt (and requeued the job if it may go again)
@@ -137,7 +142,14 @@ def supervise(run_dir: Path, job_id: str, command: list[str]) -> int:
         record_attempt(str(train_dir), job, "hung", recorded_by="supervisor", world_size=world,
                        **watchdog.report.attempt_fields())
         return code
+    ranks = world or job.resources.world_size
     if code == 0:
+        if job.script is not None:  # every rank's script exited 0: the line is ours (`record_completed`)
+            record_completed(train_dir, job, ranks, started, time.time() - started, recorded_by="supervisor")
+        return code
+    left = failures.left_fields(train_dir, ranks, instance())
+    if left is not None:  # a rank lived to say why it failed (after rank 0 was done, or after it died)
+        record_attempt(str(train_dir), job, "failed", recorded_by="supervisor", world_size=ranks, **left)
         return code
     what = died(lines)
     error = "; ".join(what) if what else f"srun exited with code {code}"

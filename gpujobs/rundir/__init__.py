@@ -18,6 +18,7 @@ A run dir is shared by every attempt of its job (requeues, restarts, a hand-run 
     heartbeat/         rank_<N>.json: each rank's step and phase, rewritten every second (the watchdog reads them)
     hangs/<attempt>/   a hung attempt's evidence: every rank's stacks, NCCL's flight recorder, NVML
     failures/          rank_<N>.json: a rank's error as it failed (rank 0 records the first in the ledger)
+    nccl/              the files NCCL writes (`nccl.extra.NCCL_DEBUG_FILE` and the dumps), by name
 
 JSON-lines files are read with `read_jsonl`, which skips a line torn by a crash. Modules:
 `files` (config and submissions), `attempts` (the ledger and its budgets), `lease` (one job per run
@@ -47,9 +48,10 @@ RERUNS_DIR = "reruns"
 HEARTBEAT_DIR = "heartbeat"
 HANGS_DIR = "hangs"
 FAILURES_DIR = "failures"
+NCCL_DIR = "nccl"
 
 __all__ = [
     "ATTEMPTS_FILE", "CHECKPOINT_DIR", "CONFIG_FILE", "FAILURES_DIR", "GPU_FILE", "HANGS_DIR", "HEARTBEAT_DIR",
-    "LEASE_FILE", "MARKER", "METRICS_FILE", "PROMETHEUS_FILE", "RERUNS_DIR", "RESULT_FILE", "SBATCH_FILE",
-    "STEP_PREFIX", "SUBMISSIONS_FILE", "TRACKER_FILE", "read_jsonl",
+    "LEASE_FILE", "MARKER", "METRICS_FILE", "NCCL_DIR", "PROMETHEUS_FILE", "RERUNS_DIR", "RESULT_FILE",
+    "SBATCH_FILE", "STEP_PREFIX", "SUBMISSIONS_FILE", "TRACKER_FILE", "read_jsonl",
 ]

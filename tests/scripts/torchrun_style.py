@@ -2,12 +2,14 @@
 
 It joins the process group from the torchrun variables, all-reduces its rank, and writes what it saw.
 With `--fail-rank N`, rank N raises instead of joining the all-reduce (a bug on one rank): the
-others fail of it, in the collective.
+others fail of it, in the collective. With `--fail-late N`, rank N does its work, then exits 3 a
+moment after the others are done (a last save that fails, on that rank only).
 """
 
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -28,3 +30,6 @@ seen["args"] = sys.argv[1:]
 seen["node"] = os.environ.get("SLURMD_NODENAME", "local")
 Path(os.environ["GPUJOBS_RUN_DIR"], f"seen_rank{rank}.json").write_text(json.dumps(seen))
 dist.destroy_process_group()
+if "--fail-late" in sys.argv and int(sys.argv[sys.argv.index("--fail-late") + 1]) == rank:
+    time.sleep(1.5)
+    sys.exit(3)
