@@ -99,6 +99,24 @@ def test_usr2_tells_a_local_script_to_stop_and_it_resumes_within_the_budget(run_
     assert read_result(run_dir)["kind"] == "script"
 
 
+def test_a_stop_that_comes_after_rank_0_is_done_is_recorded_by_the_launcher(run_dir: Path) -> None:
+    """Rank 0's script is done; then rank 1 is told to stop. The attempt is preempted (not completed,
+    not failed), within the preemption budget, and the next attempt finishes rank 1's count."""
+    job = RunningJob(run_dir, "cluster=local", "resources.procs_per_node=2", f"+script.path={STOPPABLE}",
+                     "+script.args=[200,2]", "cluster.max_restarts=0")
+    deadline = time.monotonic() + 60
+    while not (run_dir / "exits_rank0.txt").exists():
+        assert time.monotonic() < deadline, job.output()
+        time.sleep(0.05)
+    job.signal_rank(1, signal.SIGUSR2)
+    assert job.wait() == 0, job.output()
+    first, second = attempts(run_dir)
+    assert first["reason"] == "preempted" and first["recorded_by"] == "launcher" and first["requeue"] is True, first
+    assert second["reason"] == "completed" and second["recorded_by"] == "launcher", second
+    exits = (run_dir / "exits_rank1.txt").read_text().splitlines()
+    assert exits[0].startswith("stopped at") and exits[-1] == "finished at 200", exits
+
+
 @pytest.mark.slurm
 def test_usr2_requeues_a_slurm_script_within_max_preemptions(run_dir: Path, slurm: dict[str, str]) -> None:
     job = RunningJob(run_dir, "cluster=slurm", "resources.procs_per_node=2", f"+script.path={STOPPABLE}",
@@ -114,3 +132,24 @@ def test_usr2_requeues_a_slurm_script_within_max_preemptions(run_dir: Path, slur
     for rank in (0, 1):
         exits = (run_dir / f"exits_rank{rank}.txt").read_text().splitlines()
         assert exits[0].startswith("stopped at") and exits[-1] == "finished at 100", exits
+
+
+@pytest.mark.slurm
+def test_a_stop_after_rank_0_is_done_requeues_the_slurm_script(run_dir: Path, slurm: dict[str, str]) -> None:
+    """Rank 0's script is done when Slurm's USR2 comes: rank 1 tells the supervisor, which records the
+    attempt as preempted and requeues the job; the next attempt finishes rank 1's count."""
+    job = RunningJob(run_dir, "cluster=slurm", "resources.procs_per_node=2", f"+script.path={STOPPABLE}",
+                     "+script.args=[300,2]", "cluster.wait=true", "cluster.max_preemptions=1",
+                     "cluster.max_restarts=0", env=slurm)
+    deadline = time.monotonic() + 120
+    while not ((run_dir / "exits_rank0.txt").exists() and (run_dir / "progress_rank1.json").exists()):
+        assert time.monotonic() < deadline, job.output()
+        time.sleep(0.05)
+    job_id = slurm_job_id(job.output())
+    subprocess.run(["scancel", "--signal=USR2", job_id], check=True, env={**os.environ, **slurm})
+    assert job.wait(timeout=240) == 0, job.output()
+    first, second = attempts(run_dir)
+    assert first["reason"] == "preempted" and first["recorded_by"] == "supervisor" and first["requeue"] is True, first
+    assert second["reason"] == "completed" and second["recorded_by"] == "supervisor", second
+    exits = (run_dir / "exits_rank1.txt").read_text().splitlines()
+    assert exits[0].startswith("stopped at") and exits[-1] == "finished at 300", exits

@@ -124,8 +124,8 @@ def _record_hang(job: JobConfig, attempts: AttemptLog, before: int, report: Hang
 def _judge_attempt(job: JobConfig, attempts: AttemptLog, before: int, error: str,
                    attempt: str) -> tuple[str, Decision, str]:
     """Rank 0 records each attempt it survives; if it died first, or was done before another rank
-    failed (a script's), the launcher records the failure: the first error a rank of `attempt` left
-    (`gpujobs.run.failures`), else submitit's.
+    failed or was told to stop (a script's), the launcher records it: from what the ranks of `attempt`
+    left (`gpujobs.run.failures`), else as failed with submitit's error.
 
     Returns the attempt's reason, the decision, and its error: rank 0's own words where it recorded
     them (submitit's last line may only name a log file).
@@ -135,6 +135,6 @@ def _judge_attempt(job: JobConfig, attempts: AttemptLog, before: int, error: str
         last = history[-1]
         return last.reason, Decision(last.requeue, last.why), last.error or error
     ranks = job.resources.ranks_per_node  # a local job's ranks: one node's
-    fields = failures.left_fields(attempts.path.parent, ranks, attempt) or {"error": error}
-    recorded = attempts.record(job.cluster, "failed", recorded_by="launcher", world_size=ranks, **fields)
-    return "failed", Decision(recorded.requeue, recorded.why), fields["error"]
+    reason, fields = failures.left_outcome(attempts.path.parent, ranks, attempt) or ("failed", {"error": error})
+    recorded = attempts.record(job.cluster, reason, recorded_by="launcher", world_size=ranks, **fields)
+    return reason, Decision(recorded.requeue, recorded.why), fields.get("error", error)

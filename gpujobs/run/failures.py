@@ -31,6 +31,8 @@ class RankFailure:
     node: str
     error: str
     at: float
+    stop: Optional[str] = None
+    """Not a failure: the rank was told to stop (a script's), for this reason (`preempted`, `timeout`)."""
 
 
 def failure_path(run_dir: Path, rank: int) -> Path:
@@ -44,7 +46,7 @@ def leave(run_dir: Path, failure: RankFailure) -> None:
     with contextlib.suppress(OSError):
         path.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(path, {"instance": instance(), "rank": failure.rank, "node": failure.node,
-                                 "error": failure.error, "at": failure.at})
+                                 "error": failure.error, "at": failure.at, "stop": failure.stop})
 
 
 def _read(path: Path, attempt: str) -> Optional[RankFailure]:
@@ -52,7 +54,9 @@ def _read(path: Path, attempt: str) -> Optional[RankFailure]:
         record = json.loads(path.read_text())
         if record.get("instance") != attempt:  # an earlier attempt's
             return None
-        return RankFailure(int(record["rank"]), str(record["node"]), str(record["error"]), float(record["at"]))
+        stop = record.get("stop")
+        return RankFailure(int(record["rank"]), str(record["node"]), str(record["error"]), float(record["at"]),
+                           None if stop is None else str(stop))
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
@@ -67,7 +71,7 @@ def first(run_dir: Path, world_size: int, own: RankFailure, grace_s: float = 1.0
     attempt = instance()
     deadline = time.monotonic() + grace_s
     while True:
-        found = [f for f in _left(run_dir, world_size, attempt) if f.rank != own.rank]
+        found = [f for f in _left(run_dir, world_size, attempt) if f.rank != own.rank and f.stop is None]
         if found or world_size == 1 or time.monotonic() >= deadline:
             return min([own, *found], key=lambda f: (f.at, f.rank))
         time.sleep(0.1)
@@ -78,15 +82,26 @@ def _left(run_dir: Path, world_size: int, attempt: str) -> list[RankFailure]:
     return [f for rank in range(world_size) if (f := _read(failure_path(run_dir, rank), attempt)) is not None]
 
 
-def left_fields(run_dir: Path, world_size: int, attempt: str) -> Optional[dict[str, Any]]:
+def left_outcome(run_dir: Path, world_size: int, attempt: str) -> Optional[tuple[str, dict[str, Any]]]:
     """For what stood beside the ranks (the supervisor, the local launcher), once every rank ended and
-    rank 0 recorded nothing: the `record_attempt` fields of the first failure a rank of `attempt` left,
-    or None where none left one (a rank that was killed)."""
+    rank 0 recorded nothing: the attempt's reason and `record_attempt` fields from what the ranks of
+    `attempt` left. The first failure (`failed`, naming its rank and node); else a stop a rank was told
+    of after rank 0 was done (`preempted`, `timeout`); else None (a rank that was killed leaves nothing).
+    """
     found = _left(run_dir, world_size, attempt)
-    if not found:
-        return None
-    cause = min(found, key=lambda f: (f.at, f.rank))
-    return {"error": f"rank {cause.rank}: {cause.error}", "culprit_rank": cause.rank, "node": cause.node}
+    failed = [f for f in found if f.stop is None]
+    if failed:
+        cause = min(failed, key=lambda f: (f.at, f.rank))
+        return "failed", {"error": f"rank {cause.rank}: {cause.error}", "culprit_rank": cause.rank,
+                          "node": cause.node}
+    stopped = min(found, key=lambda f: (f.at, f.rank), default=None)
+    return None if stopped is None or stopped.stop is None else (stopped.stop, {})
+
+
+def stopped(run_dir: Path, rank: int, node: str, reason: str) -> None:
+    """This rank (not rank 0) was told to stop for `reason`: rank 0 records that, unless it was done by
+    then (a script's rank 0 may end first); then what stands beside the ranks records it from this."""
+    leave(run_dir, RankFailure(rank, node, f"stopped: {reason}", time.time(), stop=reason))
 
 
 def attempt_fields(run_dir: Path, world_size: int, own: RankFailure) -> dict[str, Any]:

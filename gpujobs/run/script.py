@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from gpujobs.config import JobConfig
+from gpujobs.run import failures
 from gpujobs.run.jobenv import detect, export_torchrun_env
 from gpujobs.rundir.records import write_result
 
@@ -63,10 +64,10 @@ class ScriptJob:
             reason = classify_stop(self.job, started, watcher.flagged_at)
             if info.is_main:
                 record_attempt(self.run_dir, self.job, reason, **line)
+            else:  # rank 0's script may have ended before the stop came
+                failures.stopped(Path(self.run_dir), info.rank, info.node, reason)
             raise SystemExit(EXIT_REQUEUED)  # like the trainer: no result, the job is not over
         if code != 0:
-            from gpujobs.run import failures
-
             error = f"{script.path} exited with code {code}"
             # rank 0 records the rank that failed first, if not itself (its peers fail of it)
             blamed = failures.fail(Path(self.run_dir), info.rank, info.node, info.world_size, error)

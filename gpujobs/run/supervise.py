@@ -147,9 +147,10 @@ def supervise(run_dir: Path, job_id: str, command: list[str]) -> int:
         if job.script is not None:  # every rank's script exited 0: the line is ours (`record_completed`)
             record_completed(train_dir, job, ranks, started, time.time() - started, recorded_by="supervisor")
         return code
-    left = failures.left_fields(train_dir, ranks, instance())
-    if left is not None:  # a rank lived to say why it failed (after rank 0 was done, or after it died)
-        record_attempt(str(train_dir), job, "failed", recorded_by="supervisor", world_size=ranks, **left)
+    left = failures.left_outcome(train_dir, ranks, instance())
+    if left is not None:  # a rank lived to say why it failed or stopped (after rank 0 was done, or died)
+        reason, fields = left
+        record_attempt(str(train_dir), job, reason, recorded_by="supervisor", world_size=ranks, **fields)
         return code
     what = died(lines)
     error = "; ".join(what) if what else f"srun exited with code {code}"

@@ -1,6 +1,7 @@
 """A user's script that saves and stops on SIGTERM, and resumes from what it saved (no gpujobs inside).
 
-Usage: stoppable.py STEPS. Each rank counts to STEPS, 50 ms a step, keeping its count in the run dir.
+Usage: stoppable.py STEPS [RANK0_STEPS]. Each rank counts to STEPS (rank 0 to RANK0_STEPS where given),
+50 ms a step, keeping its count in the run dir.
 """
 
 import json
@@ -22,7 +23,7 @@ def on_term(signum: int, frame: object) -> None:
 signal.signal(signal.SIGTERM, on_term)
 state = run / f"progress_rank{rank}.json"
 done = json.loads(state.read_text())["step"] if state.exists() else 0
-total = int(sys.argv[1])
+total = int(sys.argv[2]) if rank == "0" and len(sys.argv) > 2 else int(sys.argv[1])
 while done < total and not stop:
     time.sleep(0.05)
     done += 1
