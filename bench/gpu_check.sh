@@ -20,18 +20,22 @@ cd "$(dirname "$0")/.."
 
 fail() { echo "gpu_check: $1" >&2; exit "${2:-1}"; }
 
-python -c 'import gpujobs.config, pynvml' 2>/dev/null || fail "gpujobs is not importable: activate the project's environment (README)" 2
-gpus=$(python - <<'PY'
+# The environment's interpreter: $PYTHON if set, else `python`, else `python3` (GPU images often have only that).
+py=${PYTHON:-$(command -v python || command -v python3 || true)}
+[ -n "$py" ] || fail "no python or python3 on PATH" 2
+
+"$py" -c 'import gpujobs.config, pynvml' 2>/dev/null || fail "gpujobs is not importable: activate the project's environment (README)" 2
+gpus=$("$py" - <<'PY'
 from gpujobs.launch.gpus import local_gpu_count
 print(local_gpu_count())
 PY
 )
 [ "$gpus" -ge 1 ] || fail "no NVIDIA GPU here (NVML sees none); this check needs one" 3
-python -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' \
+"$py" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' \
   || fail "NVML sees $gpus GPU(s) but torch has no CUDA: install the CUDA build of torch (README)" 3
 ranks=$(( gpus >= 2 ? 2 : 1 ))
 echo "== NVML health checks on every GPU (gpujobs.nvml.gpu_faults)"
-python - <<'PY'
+"$py" - <<'PY'
 from gpujobs.nvml import gpu_faults, nvml_session, read_gpu, visible_gpus
 
 with nvml_session() as nv:
@@ -49,7 +53,7 @@ export GPUJOBS_FORCE_PROCESS_GROUP=1
 run_dir=$(mktemp -d)/run
 echo "== gpujobs run: $ranks GPU rank(s) in an NCCL group, run dir $run_dir"
 # nccl=debug: NCCL logs its communicator's init ("Init COMPLETE"), the proof that NCCL itself was used.
-python - "$run_dir" "$ranks" "$@" <<'PY'
+"$py" - "$run_dir" "$ranks" "$@" <<'PY'
 import json, os, signal, subprocess, sys, time, urllib.request
 from pathlib import Path
 
@@ -80,7 +84,7 @@ sys.exit(proc.returncode)
 PY
 
 echo "== checks"
-python - "$run_dir" "$ranks" <<'PY'
+"$py" - "$run_dir" "$ranks" <<'PY'
 import json, sys
 from pathlib import Path
 
@@ -125,13 +129,13 @@ print(f"ok: {len(train)} gathered train records, {len(samples)} GPU samples, "
       f"max util {max(s.get('util_pct', 0) for s in samples)}%, samples/s {result['samples_per_s']}, "
       f"auc {result['auc']}, health check {health[0]['health_s']} s (bus bandwidth {health[0]['busbw_gbps']} GB/s)")
 PY
-python -m gpujobs.report "$run_dir"
+"$py" -m gpujobs.report "$run_dir"
 test -s "$run_dir/report/gpu.png" || fail "report wrote no gpu.png"
 
 echo "== the hang watchdog's NCCL flight recorder: a dump asked for through its pipe"
 # The watchdog asks each NCCL rank for its flight recorder through the pipe TORCH_NCCL_DEBUG_INFO_PIPE_FILE
 # names (gpujobs/run/evidence.py); a hang cannot be staged on one GPU, the request and the dump can.
-python - <<'PY'
+"$py" - <<'PY'
 import datetime, os, tempfile
 from pathlib import Path
 
@@ -162,4 +166,4 @@ print(f"ok: flight recorder dump of {(out / dumps[0]).stat().st_size} bytes afte
 PY
 
 echo "== trainer vs plain loop on one GPU"
-python bench/bench_gpu.py --steps 300 --rounds 3
+"$py" bench/bench_gpu.py --steps 300 --rounds 3
