@@ -68,3 +68,26 @@ def test_a_failure_file_that_cannot_be_written_never_hides_the_real_error(tmp_pa
     assert (tmp_path / "failures").read_text() == "a file where the directory goes"
     assert failures.attempt_fields(tmp_path, 2, RankFailure(0, "node1", "ValueError: boom", time.time())) == {
         "error": "rank 0: ValueError: boom"}
+
+
+def test_a_peer_that_left_nothing_makes_every_other_error_an_echo(tmp_path: Path) -> None:
+    """Rank 1 of 3 was killed (no file); rank 2's echo came before rank 0's own: nobody is blamed."""
+    now = time.time()
+    failures.leave(tmp_path, RankFailure(2, "node2", "RuntimeError: Connection closed by peer", now - 0.2))
+    own = RankFailure(0, "node1", "RuntimeError: Connection closed by peer", now)
+    assert failures.first(tmp_path, 3, own, grace_s=0.2) is own
+    assert failures.attempt_fields(tmp_path, 3, own) == {"error": "rank 0: RuntimeError: Connection closed by peer"}
+
+
+def test_what_stood_beside_the_ranks_reads_an_outcome_only_where_every_rank_left_one(tmp_path: Path) -> None:
+    now = time.time()
+    failures.ended(tmp_path, 0, "node1", "done")  # a script's rank 0 was done first
+    assert failures.left_outcome(tmp_path, 2, "local:4711") is None  # rank 1 left nothing: srun says more
+    failures.leave(tmp_path, RankFailure(1, "node2", "train.py exited with code 3", now))
+    assert failures.left_outcome(tmp_path, 2, "local:4711") == (
+        "failed", {"error": "rank 1: train.py exited with code 3", "culprit_rank": 1, "node": "node2"})
+    failures.ended(tmp_path, 1, "node2", "timeout")  # told to stop instead
+    assert failures.left_outcome(tmp_path, 2, "local:4711") == ("timeout", {})
+    failures.ended(tmp_path, 1, "node2", "done")  # every rank done: the exit code decides, not the files
+    assert failures.left_outcome(tmp_path, 2, "local:4711") is None
+    assert failures.left_outcome(tmp_path, 2, "local:1000") is None  # another attempt's files

@@ -62,6 +62,33 @@ def test_killed_rank_restarts_from_the_checkpoint(tmp_path: Path, straight_diges
     assert read_result(run_dir)["param_digest"] == straight_digest
 
 
+def test_rank_0_killed_is_recorded_by_the_launcher_blaming_no_survivor(tmp_path: Path) -> None:
+    """Rank 0 dies without a word; rank 1 fails of it and leaves its echo. The launcher's line must not
+    name rank 1: a rank that left nothing may be the cause of every error the others left."""
+    run_dir = tmp_path / "run"
+    job = RunningJob(run_dir, *SLOW, "cluster.max_restarts=0")
+    job.wait_for_step(12)
+    job.signal_rank(0, signal.SIGKILL)
+    assert job.wait() == 1, job.output()
+    (line,) = attempts(run_dir)
+    assert line["reason"] == "failed" and line["recorded_by"] == "launcher", line
+    assert "culprit_rank" not in line and "rank 1:" not in line["error"], line
+    assert (run_dir / "failures" / "rank_1.json").exists()  # the echo was there to be (mis)read
+
+
+def test_a_killed_peer_of_three_ranks_leaves_no_survivor_blamed(tmp_path: Path) -> None:
+    """Rank 1 of 3 is killed; ranks 0 and 2 fail of it. Rank 2's echo may come before rank 0's own: rank 0
+    must still blame nobody, as one rank left no file."""
+    run_dir = tmp_path / "run"
+    job = RunningJob(run_dir, *SLOW, "resources.procs_per_node=3", "cluster.max_restarts=0")
+    job.wait_for_step(12)
+    job.signal_rank(1, signal.SIGKILL)
+    assert job.wait() == 1, job.output()
+    (line,) = attempts(run_dir)
+    assert line["reason"] == "failed" and line["recorded_by"] == "rank 0", line
+    assert "culprit_rank" not in line and line["error"].startswith("rank 0: "), line
+
+
 def test_dead_rank_does_not_hang_the_others(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     # torch's own timeout, not the hang watchdog (which needs pg_timeout_s >= hang_timeout_s + 30)

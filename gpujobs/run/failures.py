@@ -6,7 +6,9 @@ every rank that fails leaves its error in RUN_DIR/failures/rank_<N>.json, with t
 (`heartbeat.instance`) and the time, before it tears its process group down: the peers only see the
 failure once it has. Rank 0 reads them all and records the first one: its error, its rank and its
 node. "First" compares the ranks' wall clocks: across nodes, as close as NTP keeps them (milliseconds),
-while a peer's echo comes at least a process teardown later. Torch-free.
+while a peer's echo comes at least a process teardown later. A rank that was killed leaves nothing, so
+a peer is blamed only where every rank left a file. A script job's ranks also leave how they ended
+otherwise (done, or stopped), for the supervisor and the launcher. Torch-free.
 """
 
 from __future__ import annotations
@@ -25,14 +27,15 @@ from gpujobs.rundir import FAILURES_DIR
 
 @dataclass(frozen=True)
 class RankFailure:
-    """One rank's failure: what it raised, where it ran, and when."""
+    """How one rank ended, where it ran, and when: mostly a failure and what it raised."""
 
     rank: int
     node: str
     error: str
     at: float
-    stop: Optional[str] = None
-    """Not a failure: the rank was told to stop (a script's), for this reason (`preempted`, `timeout`)."""
+    ended: str = "failed"
+    """`failed`; or, for the ranks of a script job, `done` (its script exited 0) or the reason it was told
+    to stop (`preempted`, `timeout`): what the supervisor and the launcher read (`left_outcome`)."""
 
 
 def failure_path(run_dir: Path, rank: int) -> Path:
@@ -41,12 +44,12 @@ def failure_path(run_dir: Path, rank: int) -> Path:
 
 
 def leave(run_dir: Path, failure: RankFailure) -> None:
-    """Write this rank's failure for rank 0 (best effort: a full disk must not hide the real error)."""
+    """Write how this rank ended, for rank 0 (best effort: a full disk must not hide the real error)."""
     path = failure_path(run_dir, failure.rank)
     with contextlib.suppress(OSError):
         path.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(path, {"instance": instance(), "rank": failure.rank, "node": failure.node,
-                                 "error": failure.error, "at": failure.at, "stop": failure.stop})
+                                 "error": failure.error, "at": failure.at, "ended": failure.ended})
 
 
 def _read(path: Path, attempt: str) -> Optional[RankFailure]:
@@ -54,54 +57,67 @@ def _read(path: Path, attempt: str) -> Optional[RankFailure]:
         record = json.loads(path.read_text())
         if record.get("instance") != attempt:  # an earlier attempt's
             return None
-        stop = record.get("stop")
         return RankFailure(int(record["rank"]), str(record["node"]), str(record["error"]), float(record["at"]),
-                           None if stop is None else str(stop))
+                           str(record.get("ended", "failed")))
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
 
-def first(run_dir: Path, world_size: int, own: RankFailure, grace_s: float = 1.0) -> RankFailure:
-    """The failure of this attempt that came first, `own` (rank 0's) included.
+def _left(run_dir: Path, world_size: int, attempt: str) -> dict[int, RankFailure]:
+    """What the ranks of `attempt` left, by rank, each file opened by name."""
+    return {rank: f for rank in range(world_size) if (f := _read(failure_path(run_dir, rank), attempt)) is not None}
 
-    Each rank's file is opened by name (a listing of a shared filesystem's directory may lag). A peer
-    writes its file before its process group goes, so it is there once rank 0 fails of it; rank 0 looks
-    again for up to `grace_s` where it finds none, for a filesystem that shows it late.
+
+def _earliest(ends: list[RankFailure]) -> RankFailure:
+    return min(ends, key=lambda f: (f.at, f.rank))
+
+
+def first(run_dir: Path, world_size: int, own: RankFailure, grace_s: float = 1.0) -> RankFailure:
+    """The failure of this attempt that came first, `own` (rank 0's) included; `own` unless every peer
+    left how it ended.
+
+    A peer that was killed (the OOM killer, a segfault) leaves nothing, and the others' errors are then
+    all echoes of its death, one of which may well come before rank 0's: with a peer unaccounted for,
+    no peer is blamed. Each rank's file is opened by name (a listing of a shared filesystem's directory
+    may lag). A peer writes its file before its process group goes, so it is there once rank 0 fails of
+    it; rank 0 looks again for up to `grace_s` for the ones it misses, for a filesystem that shows them late.
     """
     attempt = instance()
     deadline = time.monotonic() + grace_s
     while True:
-        found = [f for f in _left(run_dir, world_size, attempt) if f.rank != own.rank and f.stop is None]
-        if found or world_size == 1 or time.monotonic() >= deadline:
-            return min([own, *found], key=lambda f: (f.at, f.rank))
+        left = _left(run_dir, world_size, attempt)
+        peers = [f for rank, f in left.items() if rank != own.rank]
+        if len(peers) == world_size - 1 or time.monotonic() >= deadline:
+            break
         time.sleep(0.1)
-
-
-def _left(run_dir: Path, world_size: int, attempt: str) -> list[RankFailure]:
-    """The failures the ranks of `attempt` left, each file opened by name."""
-    return [f for rank in range(world_size) if (f := _read(failure_path(run_dir, rank), attempt)) is not None]
+    if len(peers) < world_size - 1:
+        return own
+    return _earliest([own, *[f for f in peers if f.ended == "failed"]])
 
 
 def left_outcome(run_dir: Path, world_size: int, attempt: str) -> Optional[tuple[str, dict[str, Any]]]:
     """For what stood beside the ranks (the supervisor, the local launcher), once every rank ended and
     rank 0 recorded nothing: the attempt's reason and `record_attempt` fields from what the ranks of
-    `attempt` left. The first failure (`failed`, naming its rank and node); else a stop a rank was told
-    of after rank 0 was done (`preempted`, `timeout`); else None (a rank that was killed leaves nothing).
+    `attempt` left, where every rank left how it ended. The first failure (`failed`, naming its rank and
+    node); else a stop a rank was told of after rank 0 was done (`preempted`, `timeout`); else None, as
+    where a rank left nothing (killed: the others' errors are echoes of it, and srun says more).
     """
-    found = _left(run_dir, world_size, attempt)
-    failed = [f for f in found if f.stop is None]
+    left = _left(run_dir, world_size, attempt)
+    if len(left) < world_size:
+        return None
+    failed = [f for f in left.values() if f.ended == "failed"]
     if failed:
-        cause = min(failed, key=lambda f: (f.at, f.rank))
+        cause = _earliest(failed)
         return "failed", {"error": f"rank {cause.rank}: {cause.error}", "culprit_rank": cause.rank,
                           "node": cause.node}
-    stopped = min(found, key=lambda f: (f.at, f.rank), default=None)
-    return None if stopped is None or stopped.stop is None else (stopped.stop, {})
+    stops = [f for f in left.values() if f.ended != "done"]
+    return (_earliest(stops).ended, {}) if stops else None
 
 
-def stopped(run_dir: Path, rank: int, node: str, reason: str) -> None:
-    """This rank (not rank 0) was told to stop for `reason`: rank 0 records that, unless it was done by
-    then (a script's rank 0 may end first); then what stands beside the ranks records it from this."""
-    leave(run_dir, RankFailure(rank, node, f"stopped: {reason}", time.time(), stop=reason))
+def ended(run_dir: Path, rank: int, node: str, how: str) -> None:
+    """A script job's rank ended without failing: `done`, or told to stop for reason `how`. Its rank 0 may
+    end before the others, so what stands beside the ranks records the attempt from these."""
+    leave(run_dir, RankFailure(rank, node, "" if how == "done" else f"stopped: {how}", time.time(), ended=how))
 
 
 def attempt_fields(run_dir: Path, world_size: int, own: RankFailure) -> dict[str, Any]:

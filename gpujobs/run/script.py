@@ -21,12 +21,15 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from gpujobs.config import JobConfig
 from gpujobs.run import failures
 from gpujobs.run.jobenv import detect, export_torchrun_env
 from gpujobs.rundir.records import write_result
+
+if TYPE_CHECKING:
+    from gpujobs.run.preemption import PreemptionWatcher
 
 #: What the script gets when the job must stop.
 STOP_SIGNAL = signal.SIGTERM
@@ -41,9 +44,17 @@ class ScriptJob:
     master_port: Optional[int] = None
 
     def __call__(self) -> dict[str, Any]:
-        from gpujobs.run.preemption import EXIT_REQUEUED, PreemptionWatcher, classify_stop, record_attempt
+        from gpujobs.run.preemption import PreemptionWatcher
 
         watcher = PreemptionWatcher().install()  # first: a USR2 from now on is ours, not submitit's
+        try:  # ... until the attempt is recorded: submitit's own USR2 handler would requeue it outside the budgets
+            return self._run(watcher)
+        finally:
+            watcher.uninstall()
+
+    def _run(self, watcher: PreemptionWatcher) -> dict[str, Any]:
+        from gpujobs.run.preemption import EXIT_REQUEUED, classify_stop, record_attempt
+
         started = time.time()
         script = self.job.script
         if script is None:
@@ -53,19 +64,15 @@ class ScriptJob:
         self.job.nccl.export_env(Path(self.run_dir))
         os.environ["GPUJOBS_RUN_DIR"] = self.run_dir
         clock = time.perf_counter()
-        try:
-            code = _run_until_done(
-                [sys.executable, script.path, *script.args], script.cwd, lambda: watcher.flagged
-            )
-        finally:
-            watcher.uninstall()
+        code = _run_until_done([sys.executable, script.path, *script.args], script.cwd, lambda: watcher.flagged)
+        told_at = watcher.flagged_at if watcher.flagged else None  # a USR2 after the script's end changes nothing
         line = {"start": round(started, 3), "script_exit": code}
-        if watcher.flagged:
-            reason = classify_stop(self.job, started, watcher.flagged_at)
+        if told_at is not None:
+            reason = classify_stop(self.job, started, told_at)
             if info.is_main:
                 record_attempt(self.run_dir, self.job, reason, **line)
             else:  # rank 0's script may have ended before the stop came
-                failures.stopped(Path(self.run_dir), info.rank, info.node, reason)
+                failures.ended(Path(self.run_dir), info.rank, info.node, reason)
             raise SystemExit(EXIT_REQUEUED)  # like the trainer: no result, the job is not over
         if code != 0:
             error = f"{script.path} exited with code {code}"
@@ -75,8 +82,10 @@ class ScriptJob:
                 record_attempt(self.run_dir, self.job, "failed", **line, **blamed)
             raise RuntimeError(f"{error} on rank {info.rank}")
         wall_s = time.perf_counter() - clock
-        if info.is_main and info.world_size == 1:
+        if info.world_size == 1:
             record_completed(Path(self.run_dir), self.job, 1, started, wall_s)
+        else:
+            failures.ended(Path(self.run_dir), info.rank, info.node, "done")
         # with peers, rank 0 cannot know that theirs will exit 0 too: what sees every rank end records it
         return {**_result(self.job, info.world_size, wall_s), "rank": info.rank, "node": info.node}
 
