@@ -167,3 +167,17 @@ def test_a_prometheus_port_in_use_is_a_recorded_failed_attempt(tmp_path: Path) -
     (line,) = attempts(run_dir)  # inside the attempt, within its budget: not a crash before it
     assert line["reason"] == "failed" and "Address already in use" in line["error"], line
     assert "Address already in use" in proc.stdout
+
+
+def test_a_result_that_cannot_be_written_leaves_the_completed_line_alone(tmp_path: Path) -> None:
+    """result.json cannot replace a directory: the run fails after its `completed` line, and rank 0 must
+    not add a second, `failed` line for the same attempt (nor requeue a finished run)."""
+    run_dir = tmp_path / "run"
+    (run_dir / "result.json").mkdir(parents=True)
+    (run_dir / "result.json" / "keep").write_text("not empty")
+    proc = submit(run_dir, "cluster=local", "resources.procs_per_node=1", "trainer.max_steps=20",
+                  "cluster.max_restarts=2")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    (line,) = attempts(run_dir)
+    assert line["reason"] == "completed" and line["steps_done"] == 20, line
+    assert "job ended: completed" in proc.stdout, proc.stdout

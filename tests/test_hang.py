@@ -65,6 +65,23 @@ def test_a_stopped_rank_is_found_hung_and_the_job_resumes(tmp_path: Path, straig
     assert read_result(run_dir)["param_digest"] == straight_digest
 
 
+def test_a_hang_whose_evidence_cannot_be_kept_is_still_killed_and_recorded(tmp_path: Path) -> None:
+    """A plain file where RUN_DIR/hangs/ goes: no stacks can be written, yet the hung attempt must die
+    (no process left) and get its `hung` line."""
+    run_dir = tmp_path / "run"
+    job = RunningJob(run_dir, *HANG[:-1], "cluster.max_restarts=0")
+    job.wait_for_step(12)
+    (run_dir / "hangs").write_text("a file where the evidence folder goes")
+    ranks = job.local_rank_pids()
+    os.kill(ranks[1], signal.SIGSTOP)
+    assert job.wait(timeout=180) == 1, job.output()
+    (hung,) = attempts(run_dir)
+    assert hung["reason"] == "hung" and hung["culprit_rank"] == 1 and hung["requeue"] is False, hung
+    assert not any(alive(pid) for pid in ranks.values()), ranks
+    assert "could not keep the evidence of the hang" in job.output(), job.output()
+    assert (run_dir / "hangs").read_text() == "a file where the evidence folder goes"
+
+
 ON_SLURM = (
     "+experiment=rec", "+debug=tiny", "trainer.max_steps=200", "checkpoint.every_steps=50", "cluster=slurm",
     "resources.nodes=1", "resources.procs_per_node=2", "cluster.wait=true", "cluster.max_restarts=1",

@@ -32,6 +32,21 @@ def test_usr2_to_one_rank_stops_all_at_the_same_step_and_loses_nothing(tmp_path:
     assert read_result(run_dir)["param_digest"] == straight_digest
 
 
+def test_a_stop_asked_for_in_the_last_window_lets_the_run_complete(tmp_path: Path) -> None:
+    """USR2 after the check at step 40, with the next (and last) check at step 60: the run is finished by
+    then, so the attempt completes once, instead of a `preempted` line and a requeue to redo nothing."""
+    run_dir = tmp_path / "run"
+    job = RunningJob(run_dir, *SLOW, "telemetry.debug_slow_ms=200", "trainer.stop_check_every=20",
+                     "trainer.log_every=1")
+    seen = job.wait_for_step(45)
+    job.signal_rank(1, signal.SIGUSR2)
+    assert seen < 57, seen  # the signal came well before the last step
+    assert job.wait() == 0, job.output()
+    (line,) = attempts(run_dir)
+    assert line["reason"] == "completed" and line["steps_done"] == 60, line
+    assert read_result(run_dir)["steps"] == 60
+
+
 def test_usr2_while_a_rank_starts_is_kept_for_its_watcher() -> None:
     previous = signal.getsignal(signal.SIGUSR2)
     try:

@@ -51,6 +51,7 @@ class TrainJob:
         info = jobenv.detect(self.master_port)
         _tag_log_records(info.rank)
         attempt = _Attempt(self.job, self.run_dir, info, started)
+        attempt.lines_before = _lines(self.run_dir) if info.is_main else 0
         with contextlib.ExitStack() as cleanup:
             cleanup.callback(watcher.uninstall)
             attempt.beat = self._heartbeat(info)
@@ -163,10 +164,14 @@ class _Attempt:
     task: Any = None
     beat: Any = None
     """This rank's heartbeat (`gpujobs.run.heartbeat`)."""
+    lines_before: int = 0
+    """Rank 0: the ledger's lines when the attempt began (one more once it is recorded)."""
 
     def failed(self, err: Exception) -> None:
         """Every rank: leave this rank's error (`gpujobs.run.failures`). Rank 0: record the failed attempt
-        with the error that came first, its rank and node (and requeue, if its budget allows)."""
+        with the error that came first, its rank and node (and requeue, if its budget allows), unless
+        its line is written already (result.json that cannot be written after the `completed` line, a
+        requeue that failed after the line): one line per attempt."""
         from gpujobs.run import failures
 
         message = str(err).strip().splitlines()
@@ -174,6 +179,9 @@ class _Attempt:
         info = self.info
         blamed = failures.fail(Path(self.run_dir), info.rank, info.node, info.world_size, error)
         if blamed is None:  # not rank 0
+            return
+        if _lines(self.run_dir) > self.lines_before:
+            log.error("the attempt is recorded already; not recording it again as failed: %s", error)
             return
         from gpujobs.run.preemption import record_attempt
 
@@ -190,6 +198,13 @@ class _Attempt:
     def drop(self) -> None:
         """Let go of the trainer and the task (and with them the DDP wrapper)."""
         self.trainer = self.task = None
+
+
+def _lines(run_dir: str) -> int:
+    """How many attempts the run dir's ledger holds."""
+    from gpujobs.rundir.attempts import AttemptLog
+
+    return len(AttemptLog(Path(run_dir)).read())
 
 
 def _tag_log_records(rank: int) -> None:

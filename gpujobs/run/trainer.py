@@ -294,8 +294,9 @@ class Trainer:
                     self.save()
             if times.steps == 0:
                 window_start = time.perf_counter()
-            # All ranks check at the same steps and agree, so all stop after this same step.
-            if self.step % cfg.stop_check_every == 0 and self._should_stop():
+            # All ranks check at the same steps and agree, so all stop after this same step; not after
+            # the last one, where the run completes (a stop there would only requeue a finished run).
+            if self.step < cfg.max_steps and self.step % cfg.stop_check_every == 0 and self._should_stop():
                 stopped = True
                 break
         if times.steps:
