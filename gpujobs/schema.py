@@ -132,6 +132,13 @@ class TrainerConfig(Checked):
                 f"(torch's collective timeout must leave the hang watchdog {HANG_EVIDENCE_S} s to take the "
                 "evidence first), or trainer.hang_timeout_s=0",
             )
+        # each is read by one mode only: set under another, it would be silently ignored
+        for name, value, mode in (("balance_shares", self.balance_shares, "static"),
+                                  ("balance_gpu_weights", self.balance_gpu_weights, "static"),
+                                  ("balance_replay", self.balance_replay, "replay")):
+            if value and self.balance != mode:
+                allowed = f"only with trainer.balance={mode}, which reads it (balance is {self.balance})"
+                raise ConfigError(name, value, allowed)
         if self.balance == "replay" and not self.balance_replay:
             raise ConfigError("balance_replay", self.balance_replay, "the run dir of a finished dynamic run")
         if self.balance == "static" and not self.balance_shares and not self.balance_gpu_weights:
@@ -290,6 +297,10 @@ class JobConfig(Checked):
         # an elastic job's world size is known only job-side, where the same check runs again
         if self.trainer.balance == "static" and shares and self.resources.min_nodes is None and len(shares) != world:
             raise ConfigError("trainer.balance_shares", shares, f"one weight per rank ({world} ranks)")
+        for key in PLUGINS if self.script is None else ():  # a plug-in's rules across sections; a script has none
+            check = getattr(getattr(self, key), "check_job", None)
+            if check is not None:
+                check(self)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict of the resolved config (what config.yaml holds)."""

@@ -115,6 +115,13 @@ def main(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> None:
         else:
             traceback.print_exc()
         raise SystemExit(EXIT_REFUSED) from None
+    except OSError as err:  # before any task: Hydra making the run or sweep dir (after Hydra's: some are OSErrors)
+        if _task_started:
+            raise
+        key = "hydra.sweep.dir" if {"-m", "--multirun"} & set(sys.argv[1:]) else "hydra.run.dir"
+        print(f"gpujobs: {key} is invalid: allowed a directory this user can create and write "
+              f"({err.strerror}: {err.filename})", file=sys.stderr)
+        raise SystemExit(EXIT_REFUSED) from None
     finally:
         if ours:
             os.environ.pop("HYDRA_FULL_ERROR", None)

@@ -125,3 +125,29 @@ def test_shipped_configs_leave_hydra_mode_unset(experiment: str) -> None:
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         cfg = compose(config_name="config", overrides=[f"+experiment={experiment}"], return_hydra_config=True)
     assert cfg.hydra.mode is None
+
+
+@pytest.mark.parametrize(("where", "sweep"), [("file", False), ("file/sub", False), ("file", True)])
+def test_a_run_dir_that_cannot_be_made_is_one_line_exit_2(tmp_path: Path, where: str, sweep: bool) -> None:
+    (tmp_path / "file").write_text("a file where the run dir goes")
+    target = tmp_path / where
+    args = ("-m", f"hydra.sweep.dir={target}", "optim.lr=1e-3,1e-2") if sweep else (f"hydra.run.dir={target}",)
+    proc = subprocess.run([sys.executable, "-m", "gpujobs.submit", *args, "+experiment=rec", "+debug=tiny",
+                           "cluster=local"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    key = "hydra.sweep.dir" if sweep else "hydra.run.dir"
+    assert len(lines) == 1 and lines[0].startswith(f"gpujobs: {key} is invalid: "), proc.stderr
+    assert str(tmp_path / "file") in lines[0], proc.stderr
+    assert (tmp_path / "file").read_text() == "a file where the run dir goes"
+
+
+def test_a_template_dir_without_the_template_is_one_line_exit_2(
+    run_dir: Path, tmp_path: Path, slurm: dict[str, str]
+) -> None:
+    proc = submit(run_dir, "+experiment=rec", "cluster=slurm", "cluster.dry_run=true",
+                  env={**slurm, "GPUJOBS_SBATCH_TEMPLATES": str(tmp_path / "nowhere")})
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "GPUJOBS_SBATCH_TEMPLATES=" in lines[0] and "job.sbatch.j2" in lines[0], proc.stderr
+    assert not run_dir.exists()

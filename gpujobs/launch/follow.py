@@ -23,7 +23,7 @@ class MetricsFollower:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._tail = JsonlTail(path)
+        self._tail = JsonlTail(path, from_end=True)  # a rerun shows its own steps, not the last run's again
 
     def poll(self) -> Iterator[dict[str, Any]]:
         """New complete records since the last call."""

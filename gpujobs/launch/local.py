@@ -7,18 +7,22 @@ checkpoint after a failure, up to `cluster.max_restarts` times.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import itertools
+import os
+import signal
 import socket
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from types import FrameType
+from typing import Any, Optional
 
 from gpujobs.config import JobConfig
 from gpujobs.errors import ConfigError
 from gpujobs.launch.follow import JobFollower
 from gpujobs.run import failures
-from gpujobs.run.evidence import descendants, kill_tree
+from gpujobs.run.evidence import descendants, kill_tree, process_start
 from gpujobs.run.hangs import HangReport, Watchdog
 from gpujobs.run.payload import FromRunDir
 from gpujobs.run.script import record_completed
@@ -66,23 +70,31 @@ def run_local(job: JobConfig, run_dir: Path) -> int:
     )
     backend = "nccl" if res.gpus_per_node else "gloo"
     attempts = AttemptLog(run_dir)
-    with JobFollower(run_dir, job) as follower:
-        for number in itertools.count(1):
+    launcher = (os.getpid(), process_start(os.getpid()))
+    with JobFollower(run_dir, job) as follower, interrupts_as_keyboard():
+        while True:
             before = len(attempts.read())
             started = time.time()
-            sjob = executor.submit(FromRunDir(str(run_dir), master_port=free_port()))
+            try:
+                sjob = executor.submit(FromRunDir(str(run_dir), master_port=free_port(), launcher=launcher))
+            except KeyboardInterrupt:
+                print("gpujobs: interrupted before the local job started", flush=True)
+                return 130
             # submitit waits up to 15 s per rank for a result file that a slow shared filesystem may
             # not show yet; here the disk is local, and a rank that stopped to be requeued leaves none.
             for task in sjob._sub_jobs or [sjob]:
                 task._results_timeout_s = 0
             print(
-                f"gpujobs: local job {sjob.job_id} (attempt {number}): {res.ranks_per_node} ranks, "
+                f"gpujobs: local job {sjob.job_id} (attempt {before + 1}): {res.ranks_per_node} ranks, "
                 f"{backend}{f' on GPUs {gpus}' if gpus else ''}, run dir {run_dir}",
                 flush=True,
             )
             watchdog = Watchdog.for_job(run_dir, job, res.ranks_per_node, f"local:{sjob.job_id}", before + 1,
                                         kill=functools.partial(_kill_local_job, sjob))
-            error = follower.follow(sjob, tick=watchdog.tick if watchdog else None)
+            try:
+                error = follower.follow(sjob, tick=watchdog.tick if watchdog else None)
+            except KeyboardInterrupt as stop:
+                return _record_interrupt(job, attempts, before, sjob, started, stop)
             if error is None:
                 if job.script is not None and len(attempts.read()) == before:  # its ranks left the line to us
                     record_completed(run_dir, job, res.ranks_per_node, started, time.time() - started,
@@ -97,8 +109,47 @@ def run_local(job: JobConfig, run_dir: Path) -> int:
                 print(f"gpujobs: job ended: {reason}, {decision.why}; last error: {error}")
                 print(f"gpujobs: per-rank logs in {executor.folder}")
                 return 1
-            print(f"gpujobs: attempt {number} {reason} ({decision.why}); restarting from the last checkpoint")
-    raise AssertionError("unreachable")
+            print(f"gpujobs: attempt {before + 1} {reason} ({decision.why}); restarting from the last checkpoint")
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM or SIGHUP to the launcher: handled as Ctrl-C is (the local job goes with its launcher)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def interrupts_as_keyboard() -> Iterator[None]:
+    """While the launcher follows a local job, SIGTERM and SIGHUP (a `kill`, a closed terminal) stop it as
+    Ctrl-C does: the job is killed and its attempt recorded, never left running without its launcher."""
+
+    def stop(signum: int, frame: Optional[FrameType]) -> None:
+        raise Interrupted(signum)
+
+    previous = {signum: signal.signal(signum, stop) for signum in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _record_interrupt(job: JobConfig, attempts: AttemptLog, before: int, sjob: Any, started: float,
+                      stop: KeyboardInterrupt) -> int:
+    """The launcher was interrupted: kill the local job, record its attempt as `cancelled` (unless its
+    rank 0 recorded it just before), and say how to go on; returns the exit code (128 + the signal)."""
+    signum = stop.signum if isinstance(stop, Interrupted) else signal.SIGINT
+    _kill_local_job(sjob)
+    name = signal.Signals(signum).name
+    if len(attempts.read()) == before:
+        attempts.record(job.cluster, "cancelled", recorded_by="launcher", start=round(started, 3),
+                        world_size=job.resources.ranks_per_node, error=f"the launcher got {name}")
+    run_dir = attempts.path.parent
+    print(f"\ngpujobs: interrupted ({name}): local job {sjob.job_id} killed; its checkpoints stay in {run_dir}, "
+          "and the same command resumes from the last one", flush=True)
+    return 128 + signum
 
 
 def _kill_local_job(sjob: Any) -> None:

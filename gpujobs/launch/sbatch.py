@@ -17,7 +17,8 @@ from typing import Optional
 import jinja2
 
 from gpujobs.config import JobConfig, ResourcesConfig
-from gpujobs.resources import template_dir
+from gpujobs.errors import ConfigError
+from gpujobs.resources import TEMPLATE_DIR_ENV, template_dir
 
 #: sbatch_templates/ (the checkout's or the wheel's copy); GPUJOBS_SBATCH_TEMPLATES points elsewhere.
 TEMPLATE_DIR = template_dir()
@@ -125,7 +126,10 @@ def _template() -> jinja2.Template:
         autoescape=False,  # a shell script, not HTML: every value goes through the `q` filter instead
     )
     env.filters["q"] = lambda value: shlex.quote(str(value))
-    return env.get_template(TEMPLATE)
+    try:
+        return env.get_template(TEMPLATE)
+    except jinja2.TemplateNotFound:  # $GPUJOBS_SBATCH_TEMPLATES names a directory without it
+        raise ConfigError(TEMPLATE_DIR_ENV, str(TEMPLATE_DIR), f"a directory that holds {TEMPLATE}") from None
 
 
 def render_sbatch(request: SbatchRequest) -> str:

@@ -63,6 +63,15 @@ def _state(pid: int) -> str:
         return ""
 
 
+def process_start(pid: int) -> Optional[str]:
+    """When `pid` started (clock ticks since boot, from /proc), or None: with the pid, names one process,
+    not whichever later reuses its number."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
 def alive(pid: int) -> bool:
     """Whether `pid` is a process that is not a zombie (`kill -0` succeeds on zombies)."""
     return _state(pid) not in ("", "Z", "X")

@@ -14,6 +14,7 @@ from typing import Any, Optional, Union
 
 from gpujobs.config import JobConfig
 from gpujobs.run.entry import TrainJob
+from gpujobs.run.orphan import watch_launcher
 from gpujobs.run.preemption import catch_early
 from gpujobs.run.script import ScriptJob
 from gpujobs.rundir.files import read_config
@@ -37,8 +38,12 @@ class FromRunDir:
     """Rendezvous port chosen by the launcher (Slurm jobs derive theirs from the job id)."""
     show_progress: bool = False
     """Draw progress in this process (the in-process debug executor)."""
+    launcher: Optional[tuple[int, Optional[str]]] = None
+    """The local launcher's pid and start time: the rank ends once it is gone (`gpujobs.run.orphan`)."""
 
     def __call__(self) -> dict[str, Any]:
         catch_early()  # before reading the config: a USR2 from now on is kept for the rank's watcher
+        if self.launcher is not None:
+            watch_launcher(*self.launcher)
         job = read_config(Path(self.run_dir))
         return make_payload(job, Path(self.run_dir), self.master_port, self.show_progress)()

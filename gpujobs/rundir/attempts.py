@@ -47,8 +47,8 @@ class RequeuePolicy:
 
     def decide(self, history: list[Attempt], reason: str) -> Decision:
         """Decide for an attempt that just ended with `reason`, given the attempts before it."""
-        if reason == "completed":
-            return Decision(False, "completed")
+        if reason in ("completed", "cancelled"):
+            return Decision(False, reason)
         # each budget, and the reasons that spend it
         spends = {"failed": ("failed", "hung"), "hung": ("failed", "hung")}.get(reason, (reason,))
         budget = {

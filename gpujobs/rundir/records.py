@@ -19,7 +19,7 @@ from gpujobs.rundir import ATTEMPTS_FILE, METRICS_FILE, RESULT_FILE
 
 #: Why an attempt ended. `hung`: the watchdog found no progress and killed it; `unhealthy`: the health
 #: check at start failed on a node.
-REASONS = ("completed", "preempted", "timeout", "failed", "hung", "unhealthy")
+REASONS = ("completed", "preempted", "timeout", "failed", "hung", "unhealthy", "cancelled")
 #: Reasons that blame a node: it leaves the job (Slurm's exclude list) before the next attempt.
 NODE_FAULTS = ("hung", "unhealthy")
 
@@ -36,7 +36,8 @@ class Attempt:
     attempt: int
     """1 for the first attempt of the run dir."""
     reason: str
-    """completed | preempted | timeout | failed | hung | unhealthy."""
+    """completed | preempted | timeout | failed | hung | unhealthy | cancelled (a local launcher that
+    was interrupted: Ctrl-C, SIGTERM, SIGHUP)."""
     requeue: bool
     """Whether another attempt follows (within the budgets, and the requeue worked)."""
     why: str

@@ -4,7 +4,9 @@ The submit side imports this module to validate a config before anything is queu
 torch-free: every `build` method imports its implementation lazily. Each field declares its bounds
 (`metadata=bounds(...)`), which gpujobs' one validator enforces as it does for gpujobs' own schemas
 (`gpujobs.validate.Checked`). Keys in the errors raised here are field names ("embedding_dim"); the
-caller places them under "model." or "data.".
+caller places them under "model." or "data.". The data schemas' `check_job` relates them to the rest of
+the job (the ranks, `trainer.grad_accum`) and names full keys ("data.batch_size"): gpujobs' `JobConfig`
+calls it, so the global batch is checked at submit, not first inside the ranks.
 """
 
 from __future__ import annotations
@@ -16,11 +18,36 @@ from gpujobs.errors import ConfigError
 from gpujobs.validate import Checked, bounds
 
 if TYPE_CHECKING:
+    from gpujobs.schema import JobConfig
     from jobs.rec.data import FeatureSpec, RecData
     from jobs.rec.model import DLRM
 
 INTERACTIONS = ("dot", "cat")
 _PATH = bounds(valid=lambda value: bool(value.strip()), allowed="a non-empty file path")
+
+
+def check_global_batch(
+    data: SyntheticClicksConfig | CriteoTSVConfig, world_size: int, grad_accum: int, rows: Optional[int], source: str
+) -> None:
+    """Refuse a global batch that `RecData` could not serve, naming the key the user set ("data.*").
+
+    `world_size` is the configured one (resources' nodes x ranks per node), which is also the most an
+    elastic job runs on: a micro-batch must give each rank at least one row (the split plans' floor), and
+    a micro-batch of `world_size` x batch_size rows then serves any smaller allocation too. `rows` is the
+    training split's size where it is known (`source` says where it comes from); None skips that bound.
+    """
+    if data.global_batch_size is None:  # derived: batch_size x world x grad_accum, a whole number of micro-batches
+        if rows is not None and data.batch_size * world_size > rows:
+            allowed = (f"at most {rows // world_size} (a micro-batch, {world_size} ranks x data.batch_size, "
+                       f"must fit in {source})")
+            raise ConfigError("data.batch_size", data.batch_size, allowed)
+        return
+    total, least = data.global_batch_size, world_size * grad_accum
+    most = None if rows is None else rows * grad_accum
+    if total % grad_accum or total < least or (most is not None and total > most):
+        allowed = (f"a multiple of trainer.grad_accum={grad_accum} from {least} (a row per rank per micro-batch, "
+                   f"{world_size} ranks)") + ("" if most is None else f" to {most} ({source} per micro-batch)")
+        raise ConfigError("data.global_batch_size", total, allowed)
 
 
 @dataclass(kw_only=True)
@@ -98,6 +125,14 @@ class SyntheticClicksConfig(Checked):
             allowed = f"at most {num_pairs}, the number of pairs of {len(self.cardinalities)} features"
             raise ConfigError("num_interactions", self.num_interactions, allowed)
 
+    def check_job(self, job: JobConfig) -> None:
+        """Refuse a global batch this log cannot serve at the job's ranks and `trainer.grad_accum`
+        (ConfigError naming the full key: the rules span sections)."""
+        world = job.resources.world_size
+        if self.num_train < world:
+            raise ConfigError("data.num_train", self.num_train, f"at least {world} (a row per rank, {world} ranks)")
+        check_global_batch(self, world, job.trainer.grad_accum, self.num_train, f"data.num_train={self.num_train} rows")
+
     def global_batch(self, world_size: int, micro_batches: int) -> int:
         """Samples per optimizer step: global_batch_size, else batch_size per rank of `world_size`."""
         return self.global_batch_size or self.batch_size * world_size * micro_batches
@@ -143,14 +178,22 @@ class CriteoTSVConfig(Checked):
         """Samples per optimizer step: global_batch_size, else batch_size per rank of `world_size`."""
         return self.global_batch_size or self.batch_size * world_size * micro_batches
 
+    def check_job(self, job: JobConfig) -> None:
+        """Refuse, at submit, a global batch no file could serve (the rows of the file are known only to `build`)."""
+        check_global_batch(self, job.resources.world_size, job.trainer.grad_accum, None, "")
+
     def build(self, world_size: int, micro_batches: int) -> RecData:
         """Read both files (on every rank) and their global sample stream (see SyntheticClicksConfig.build)."""
         from jobs.rec.criteo import criteo_features, read_criteo_tsv
         from jobs.rec.data import RecData
 
+        train = read_criteo_tsv(self.train_path, self.hash_buckets)
+        # the one batch rule that needs the data: counting a Criteo day's rows at submit would read it whole
+        rows = train.num_rows
+        check_global_batch(self, world_size, micro_batches, rows, f"the {rows} rows of data.train_path")
         return RecData(
             criteo_features(self.hash_buckets),
-            read_criteo_tsv(self.train_path, self.hash_buckets),
+            train,
             read_criteo_tsv(self.eval_path, self.hash_buckets),
             global_batch_size=self.global_batch(world_size, micro_batches),
             micro_batches=micro_batches,

@@ -1,0 +1,71 @@
+"""A local launcher that is interrupted takes its job with it, and says so in the ledger.
+
+Ctrl-C, SIGTERM (a `kill`, systemd) and SIGHUP (a closed terminal) to the launcher kill the local job and
+record its attempt as `cancelled`; the same command resumes. A launcher killed outright (SIGKILL) cannot
+record anything, but its ranks end within a second of it (`gpujobs.run.orphan`): the next submission of
+the run dir, which takes over the dead launcher's lease, never trains beside them.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from conftest import SLOW, read_result, submit
+from jobctl import RunningJob, attempts
+
+from gpujobs.run.evidence import alive, descendants
+
+
+def _gone(pids: list[int], timeout: float = 30) -> bool:
+    deadline = time.monotonic() + timeout
+    while any(alive(pid) for pid in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+@pytest.mark.parametrize("how", ["ctrl-c", "SIGTERM"])
+def test_an_interrupted_launcher_kills_its_job_and_records_it_cancelled(tmp_path: Path, how: str) -> None:
+    run_dir = tmp_path / "run"
+    job = RunningJob(run_dir, *SLOW)
+    job.wait_for_step(21)  # checkpoint 20 is on disk
+    ranks = list(job.local_rank_pids().values())
+    tree = [*descendants(job.proc.pid), job.proc.pid]
+    if how == "ctrl-c":  # the terminal sends SIGINT to the whole foreground group: launcher, controller, ranks
+        for pid in tree:
+            os.kill(pid, signal.SIGINT)
+        signum = signal.SIGINT
+    else:
+        os.kill(job.proc.pid, signal.SIGTERM)
+        signum = signal.SIGTERM
+    assert job.wait(timeout=60) == 128 + signum, job.output()
+    assert _gone(tree, timeout=10), [pid for pid in tree if alive(pid)]
+    (line,) = attempts(run_dir)
+    assert line["reason"] == "cancelled" and line["requeue"] is False and line["recorded_by"] == "launcher", line
+    assert line["error"] == f"the launcher got {signal.Signals(signum).name}", line
+    assert "Traceback" not in job.output().split("interrupted (")[-1], job.output()
+    assert ranks and not (run_dir / "result.json").exists()
+    again = submit(run_dir, *SLOW)  # the same command resumes
+    assert again.returncode == 0, again.stdout + again.stderr
+    cancelled, completed = attempts(run_dir)
+    assert cancelled == line and completed["reason"] == "completed" and completed["resumed_from"], completed
+    assert read_result(run_dir)["steps"] == 60
+
+
+def test_the_ranks_of_a_launcher_killed_outright_end_with_it(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    job = RunningJob(run_dir, *SLOW)
+    job.wait_for_step(12)
+    ranks = list(job.local_rank_pids().values())
+    os.kill(job.proc.pid, signal.SIGKILL)  # nothing can record this attempt
+    assert _gone(ranks), [pid for pid in ranks if alive(pid)]
+    again = submit(run_dir, *SLOW)  # takes the dead launcher's lease over, and trains alone
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "taking over the stale lease" in again.stdout + again.stderr
+    (completed,) = attempts(run_dir)
+    assert completed["reason"] == "completed" and read_result(run_dir)["steps"] == 60

@@ -1,0 +1,136 @@
+"""Bad configs that once got past submit: each is refused there, in one line naming the key the user set.
+
+The global batch against the ranks and `trainer.grad_accum`, a balancing option its mode never reads, and
+a schema field missing from the composed config (so an override of it was an "unknown key").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import CONF, compose_job, submit
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from gpujobs.errors import ConfigError
+from gpujobs.schema import KEY_ALIASES, SECTIONS
+from gpujobs.schema_trackers import TRACKERS
+from jobs.rec.config import CriteoTSVConfig
+
+TINY = ("+experiment=rec", "+debug=tiny", "cluster=local")  # 2 ranks, data.num_train=4096, batch_size=64
+ELASTIC = ("+experiment=rec", "cluster=slurm", "resources.nodes=2", "resources.min_nodes=1")  # 2 to 4 ranks
+CRITEO = ("+experiment=rec", "data=criteo", "data.train_path=/d/train.tsv", "data.eval_path=/d/eval.tsv")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "line"),
+    [
+        (("data.global_batch_size=100", "trainer.grad_accum=3"),
+         "data.global_batch_size=100 is invalid: allowed a multiple of trainer.grad_accum=3 from 6 (a row per rank "
+         "per micro-batch, 2 ranks) to 12288 (data.num_train=4096 rows per micro-batch)"),
+        (("data.batch_size=5000",),
+         "data.batch_size=5000 is invalid: allowed at most 2048 (a micro-batch, 2 ranks x data.batch_size, must fit "
+         "in data.num_train=4096 rows)"),
+        (("data.global_batch_size=1",),
+         "data.global_batch_size=1 is invalid: allowed a multiple of trainer.grad_accum=1 from 2"),
+        (("trainer.balance_shares=[3,1]",),
+         "trainer.balance_shares=[3.0, 1.0] is invalid: allowed only with trainer.balance=static, which reads it"),
+    ],
+)
+def test_refused_at_submit_in_one_line_with_nothing_started_or_written(
+    run_dir: Path, overrides: tuple[str, ...], line: str
+) -> None:
+    proc = submit(run_dir, *TINY, *overrides)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = [text for text in proc.stderr.splitlines() if text.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"gpujobs: config error: {line}"), proc.stderr
+    assert "local job" not in proc.stdout + proc.stderr  # no rank was started
+    assert not run_dir.exists() and list(run_dir.parent.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ("data.global_batch_size=6", "trainer.grad_accum=3"),  # the least: a row per rank per micro-batch
+        ("data.global_batch_size=12288", "trainer.grad_accum=3"),  # the most: the whole log per micro-batch
+        ("data.batch_size=2048",),  # 2 ranks x 2048 = the whole log
+    ],
+)
+def test_the_bounds_themselves_are_accepted(overrides: tuple[str, ...]) -> None:
+    job = compose_job(*TINY, *overrides)
+    assert job.data.global_batch(job.resources.world_size, job.trainer.grad_accum) <= 4096 * job.trainer.grad_accum
+
+
+def test_an_elastic_job_needs_a_row_for_every_rank_of_its_largest_allocation() -> None:
+    with pytest.raises(ConfigError, match=r"^data\.global_batch_size=3 is invalid: .* from 4 \(.*4 ranks\)"):
+        compose_job(*ELASTIC, "resources.procs_per_node=2", "data.global_batch_size=3")
+    assert compose_job(*ELASTIC, "resources.procs_per_node=2", "data.global_batch_size=4").data.global_batch_size == 4
+    # derived from batch_size at the configured (largest) world size, it serves any allocation
+    assert compose_job(*ELASTIC, "resources.procs_per_node=2", "data.batch_size=1").data.batch_size == 1
+
+
+def test_a_log_smaller_than_the_world_names_num_train() -> None:
+    with pytest.raises(ConfigError, match=r"^data\.num_train=1 is invalid: allowed at least 2"):
+        compose_job(*TINY, "data.num_train=1")
+
+
+def test_criteo_checks_what_config_tells_at_submit_and_its_rows_where_it_reads_them(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"^data\.global_batch_size=4 is invalid: .*grad_accum=3 from 6"):
+        compose_job(*CRITEO, "data.global_batch_size=4", "trainer.grad_accum=3")
+    assert compose_job(*CRITEO, "data.batch_size=100000").data.batch_size == 100000  # the file is not read here
+    line = "\t".join(["1", *["0"] * 13, *["ab"] * 26]) + "\n"
+    for name in ("train.tsv", "eval.tsv"):
+        (tmp_path / name).write_text(line * 10)
+    cfg = CriteoTSVConfig(train_path=str(tmp_path / "train.tsv"), eval_path=str(tmp_path / "eval.tsv"), batch_size=6)
+    with pytest.raises(ConfigError, match=r"^data\.batch_size=6 is invalid: allowed at most 5 .*the 10 rows of data"):
+        cfg.build(world_size=2, micro_batches=1)  # job-side: a Criteo day's rows are counted by reading it
+    assert cfg.build(world_size=1, micro_batches=1).global_batch_size == 6
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("trainer.balance_shares=[3,1]", "trainer.balance_shares"),
+        ("'+trainer.balance_gpu_weights={cpu: 1}'", "trainer.balance_gpu_weights"),
+        ("trainer.balance_replay=/some/run", "trainer.balance_replay"),
+    ],
+)
+@pytest.mark.parametrize("mode", ["off", "dynamic", "static", "replay"])
+def test_a_balancing_option_is_refused_where_its_mode_does_not_read_it(override: str, key: str, mode: str) -> None:
+    reader = "replay" if key.endswith("replay") else "static"
+    if mode == reader:  # read: accepted (static with weights by GPU, replay with its run dir)
+        job = compose_job("+experiment=rec", f"trainer.balance={mode}", override.strip("'"))
+        assert job.trainer.balance == mode
+        return
+    with pytest.raises(ConfigError) as info:
+        compose_job("+experiment=rec", f"trainer.balance={mode}", override.strip("'"))
+    assert info.value.key == key
+    assert info.value.allowed.startswith(f"only with trainer.balance={reader}")
+
+
+def test_sgd_momentum_is_a_key_of_the_composed_config() -> None:
+    job = compose_job("+experiment=rec", "optim.name=sgd", "optim.momentum=0.5")
+    assert job.optim.momentum == 0.5
+
+
+def _group_options(group: str) -> list[str]:
+    return sorted(path.stem for path in (CONF / group).glob("*.yaml"))
+
+
+@pytest.mark.parametrize(
+    "choice",
+    [f"{group}={option}" for group in SECTIONS for option in _group_options(group)]
+    + ["logger=[tensorboard,mlflow]"],
+)
+def test_the_composed_config_sets_every_field_of_every_section(choice: str) -> None:
+    """A schema field missing from the YAML is an unknown key to Hydra: `optim.momentum=0.5` was refused."""
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        raw: Any = OmegaConf.to_container(compose(config_name="config", overrides=["+experiment=rec", choice]))
+    schemas = [(key, schema, raw[key]) for key, schema in SECTIONS.items()]
+    schemas += [(f"logger.{name}", TRACKERS[name], raw["logger"][name]) for name in raw["logger"]]
+    for key, schema, values in schemas:
+        aliases = KEY_ALIASES.get(key, {})
+        assert {aliases.get(name, name) for name in values} == {f.name for f in dataclasses.fields(schema)}, key
