@@ -88,6 +88,7 @@ def test_rank_0_killed_is_recorded_by_the_launcher_blaming_no_survivor(tmp_path:
     (line,) = attempts(run_dir)
     assert line["reason"] == "failed" and line["recorded_by"] == "launcher", line
     assert "culprit_rank" not in line and "rank 1:" not in line["error"], line
+    assert line["start"] < line["end"], line  # the attempt's span, for the GPU-hour ledger
     assert (run_dir / "failures" / "rank_1.json").exists()  # the echo was there to be (mis)read
 
 

@@ -153,6 +153,7 @@ def test_rank_0_killed_is_recorded_by_the_supervisor_and_requeued(
     failed, completed = attempts(run_dir)
     assert failed["reason"] == "failed" and failed["recorded_by"] == "supervisor", failed
     assert "rank 0 on " in failed["error"] and "Killed" in failed["error"], failed
+    assert failed["start"] < failed["end"], failed  # the attempt's span, for the GPU-hour ledger
     assert failed["requeue"] is True and failed["job_id"] == job_id
     # the crash is attributed to its node, which stays: the 2-node job needs both nodes of the partition
     assert failed["node"] in failed["error"] and "excluded" not in failed, failed

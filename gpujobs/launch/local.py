@@ -104,7 +104,7 @@ def run_local(job: JobConfig, run_dir: Path) -> int:
             if watchdog is not None and watchdog.report is not None:
                 reason, decision, error = _record_hang(job, attempts, before, watchdog.report)
             else:
-                reason, decision, error = _judge_attempt(job, attempts, before, error, f"local:{sjob.job_id}")
+                reason, decision, error = _judge_attempt(job, attempts, before, error, f"local:{sjob.job_id}", started)
             if not decision.requeue:
                 print(f"gpujobs: job ended: {reason}, {decision.why}; last error: {error}")
                 print(f"gpujobs: per-rank logs in {executor.folder}")
@@ -173,7 +173,7 @@ def _record_hang(job: JobConfig, attempts: AttemptLog, before: int, report: Hang
 
 
 def _judge_attempt(job: JobConfig, attempts: AttemptLog, before: int, error: str,
-                   attempt: str) -> tuple[str, Decision, str]:
+                   attempt: str, started: float) -> tuple[str, Decision, str]:
     """Rank 0 records each attempt it survives; if it died first, or was done before another rank
     failed or was told to stop (a script's), the launcher records it: from what the ranks of `attempt`
     left (`gpujobs.run.failures`), else as failed with submitit's error.
@@ -187,5 +187,6 @@ def _judge_attempt(job: JobConfig, attempts: AttemptLog, before: int, error: str
         return last.reason, Decision(last.requeue, last.why), last.error or error
     ranks = job.resources.ranks_per_node  # a local job's ranks: one node's
     reason, fields = failures.left_outcome(attempts.path.parent, ranks, attempt) or ("failed", {"error": error})
-    recorded = attempts.record(job.cluster, reason, recorded_by="launcher", world_size=ranks, **fields)
+    recorded = attempts.record(job.cluster, reason, recorded_by="launcher", world_size=ranks,
+                               start=round(started, 3), **fields)
     return reason, Decision(recorded.requeue, recorded.why), fields.get("error", error)

@@ -150,13 +150,14 @@ def supervise(run_dir: Path, job_id: str, command: list[str]) -> int:
     left = failures.left_outcome(train_dir, ranks, instance())
     if left is not None:  # a rank lived to say why it failed or stopped (after rank 0 was done, or died)
         reason, fields = left
-        record_attempt(str(train_dir), job, reason, recorded_by="supervisor", world_size=ranks, **fields)
+        record_attempt(str(train_dir), job, reason, recorded_by="supervisor", world_size=ranks,
+                       start=round(started, 3), **fields)
         return code
     what = died(lines)
     error = "; ".join(what) if what else f"srun exited with code {code}"
     why = f"the ranks recorded nothing: {error}"
     # SLURM_NTASKS of the batch step: the allocation's ranks (an elastic job's differ between attempts)
-    record_attempt(str(train_dir), job, "failed", recorded_by="supervisor", error=why,
+    record_attempt(str(train_dir), job, "failed", recorded_by="supervisor", error=why, start=round(started, 3),
                    world_size=allocated_world_size(), node=crashed_node(lines))
     return code
 
