@@ -206,3 +206,19 @@ def test_a_requeue_that_fails_once_is_retried_with_one_attempt_line(
     story = check_story(run_dir, "preempted")
     assert [line["reason"] for line in story] == ["preempted", "completed"]
     assert read_result(run_dir)["param_digest"] == reference_digest
+
+
+def test_a_sigterm_to_the_batch_step_leaves_the_ranks_to_finish(tmp_path: Path, slurm: dict[str, str]) -> None:
+    """Slurm's SIGTERM (a time limit, a scancel) reaches the batch step too. The supervisor must not die
+    of it: the batch step's end would end the job and its ranks, which may be saving, before KillWait."""
+    run_dir = tmp_path / "run"
+    job = RunningJob(run_dir, *ONE_NODE, env=slurm)
+    job.wait_for_step(10)
+    job_id = slurm_job_id(job.output())
+    subprocess.run(["scancel", "--batch", "--signal=TERM", job_id], check=True, env={**os.environ, **slurm})
+    assert job.wait(timeout=240) == 0, job.output()
+    (completed,) = attempts(run_dir)
+    assert completed["reason"] == "completed" and completed["job_id"] == job_id, completed
+    assert sacct_state(job_id, slurm) == "COMPLETED"
+    logs = "".join(path.read_text(errors="replace") for path in (run_dir / "submitit").glob(f"{job_id}*"))
+    assert "the supervisor got SIGTERM" in logs

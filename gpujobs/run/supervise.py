@@ -29,6 +29,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import FrameType
 from typing import Optional
 
 from gpujobs.run import failures, start
@@ -162,10 +163,19 @@ def supervise(run_dir: Path, job_id: str, command: list[str]) -> int:
     return code
 
 
+def _stay(signum: int, frame: Optional[FrameType]) -> None:
+    print("gpujobs: the supervisor got SIGTERM: it stays until the srun step ends (Slurm's KillWait at most)",
+          file=sys.stderr, flush=True)
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     """Supervise `COMMAND...`, the job's srun line; its `gpujobs.run.start` words name the run dir."""
     # Slurm's USR2 is for the ranks (they agree on a stop); in the batch step it must not kill us.
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+    # Nor its SIGTERM (the time limit, a scancel): the batch step's end would end the job, and the ranks
+    # with it, before KillWait is up; they may be finishing a save and their attempt's line. A handler,
+    # not SIG_IGN: srun, which we exec, must get its default back.
+    signal.signal(signal.SIGTERM, _stay)
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] != ["--"] or "gpujobs.run.start" not in args:
         raise SystemExit("usage: python -m gpujobs.run.supervise -- srun ... python -m gpujobs.run.start ARGS")
