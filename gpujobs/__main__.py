@@ -12,12 +12,15 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from gpujobs.cli import COMMANDS
 from gpujobs.errors import GpujobsError
 from gpujobs.launch import manage
 from gpujobs.schema import MAX_WAIT_S
+
+if TYPE_CHECKING:
+    from gpujobs.launch.sweep import Outcome
 
 
 def _seconds(text: str) -> float:
@@ -150,6 +153,23 @@ def _cancel(points: list[manage.PointState]) -> int:
     return 1 if outcome.failed else 0
 
 
+def _resubmitted(outcomes: list[Outcome], single: bool) -> int:
+    """Say which points were queued or run again; 1 when none was, or one run here failed (a single
+    run's launcher has said why)."""
+    from gpujobs.launch.sweep import summary
+
+    if not outcomes:
+        print("gpujobs: no failed points to resubmit")
+        return 1
+    if any(o.code for o in outcomes):
+        if not single:
+            print(summary(outcomes), file=sys.stderr)
+        return 1
+    print(f"gpujobs: resubmitted {outcomes[0].point.run_dir}" if single
+          else f"gpujobs: resubmitted points {', '.join(str(o.point.num) for o in outcomes)}")
+    return 0
+
+
 def main(argv: Optional[list[str]] = None, prog: str = "python -m gpujobs") -> int:
     """Run one management command; returns the exit code. `prog` names the command in usage lines
     (`gpujobs` runs these as its own subcommands)."""
@@ -167,12 +187,8 @@ def main(argv: Optional[list[str]] = None, prog: str = "python -m gpujobs") -> i
         warning = manage.refresh(points, args.sacct_timeout)
         if warning:
             raise manage.SlurmCommandError(f"{warning}; resubmit needs Slurm's view of the states, try again")
-        chosen = manage.resubmit(args.dir, points, cancelled=args.cancelled)
-        if not chosen:
-            print("gpujobs: no failed points to resubmit")
-            return 1
-        print(f"gpujobs: resubmitted points {', '.join(str(p.num) for p in chosen)}")
-        return 0
+        outcomes = manage.resubmit(args.dir, points, cancelled=args.cancelled)
+        return _resubmitted(outcomes, single=points[0].num is None)
     except manage.SlurmCommandError as err:
         print(f"gpujobs: {err}", file=sys.stderr)
         return 1

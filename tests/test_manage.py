@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from conftest import SLOW, compose_job, read_result, submit
 from jobctl import RunningJob
-from test_sweep import TINY, array_of, gpujobs, job_ids, sweep, wait_final
+from test_sweep import TINY, array_of, gpujobs, job_ids, sweep, wait_final, wait_gone
 
 from gpujobs.atomic import read_jsonl
 from gpujobs.launch.follow import MetricsFollower
@@ -163,6 +163,115 @@ def test_status_shows_each_attempts_world_size_and_the_current_one(tmp_path: Pat
     assert world_cells() == ("3", "4 (completed) world 4→?→2→3")
 
 
+def state_cell(run_dir: Path) -> tuple[str, str]:
+    """`status RUN_DIR`'s row of a single run: (its state, its step)."""
+    status = gpujobs("status", str(run_dir), env={})
+    assert status.returncode == 0, status.stderr
+    header = next(line for line in status.stdout.splitlines() if "attempts" in line)
+    names = [c.strip() for c in header.strip("┃ ").split("┃")]
+    cells = [c.strip() for c in rows(status.stdout)["-"].split("│")]
+    return cells[names.index("state")], cells[names.index("step")]
+
+
+def test_status_of_a_local_run_says_running_while_it_trains_again_and_interrupted_once_killed(tmp_path: Path) -> None:
+    """The lease of a live local launcher says running: on its first attempt (nothing recorded yet), and
+    when a completed run trains further (its old result.json says completed, and --watch must wait).
+    A launcher killed mid-run leaves `interrupted`, which is final and which `resubmit --failed` reruns here."""
+    run_dir = tmp_path / "run"
+    slow = [o for o in SLOW if not o.startswith("trainer.max_steps=")]
+    first = RunningJob(run_dir, *slow, "trainer.max_steps=60")
+    first.wait_for_step(9)
+    frozen = first.freeze()  # mid-run for as long as status looks
+    try:
+        assert state_cell(run_dir)[0] == "running (files)"  # no attempt recorded yet: was `? (files)`
+    finally:
+        RunningJob.thaw(frozen)
+    assert first.wait() == 0, first.output()
+    assert state_cell(run_dir) == ("completed (files)", "60")
+
+    further = RunningJob(run_dir, *slow, "trainer.max_steps=120")
+    seen = further.wait_for_step(66)
+    frozen = further.freeze()  # it stays mid-run while status and --watch look
+    watch = subprocess.Popen([sys.executable, "-m", "gpujobs", "status", "--watch", "0.5", str(run_dir)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, "COLUMNS": "200"})
+    try:
+        state, step = state_cell(run_dir)
+        assert state == "running (files)" and int(step) >= seen, (state, step)  # not the old result's 60
+        assert watch.stdout is not None
+        drawn = ""
+        while "running (files)" not in drawn:  # --watch redraws: it did not end on the old result
+            line = watch.stdout.readline()
+            assert line, drawn + watch.communicate()[1]
+            drawn += line
+        RunningJob.thaw(frozen)
+        assert further.wait() == 0, further.output()
+        rest, err = watch.communicate(timeout=60)
+    finally:
+        RunningJob.thaw(frozen)
+        if watch.poll() is None:
+            watch.kill()
+    assert watch.returncode == 0 and "completed (files)" in rest, rest + err
+    assert state_cell(run_dir) == ("completed (files)", "120")
+
+    killed = RunningJob(run_dir, *slow, "trainer.max_steps=180")
+    killed.wait_for_step(126)
+    killed.kill()  # the launcher and its ranks, SIGKILL: nobody records the attempt
+    assert state_cell(run_dir)[0] == "interrupted (files)"
+    watch_now = gpujobs("status", "--watch", "0.2", str(run_dir), env={})
+    assert watch_now.returncode == 0 and "interrupted (files)" in watch_now.stdout, watch_now.stdout
+    again = gpujobs("resubmit", "--failed", str(run_dir), env={})
+    assert again.returncode == 0 and f"gpujobs: resubmitted {run_dir}\n" in again.stdout, again.stdout + again.stderr
+    assert read_result(run_dir)["steps"] == 180 and state_cell(run_dir) == ("completed (files)", "180")
+
+
+def test_status_of_a_local_sweep_while_it_runs(tmp_path: Path) -> None:
+    """The sweep's launcher holds every point's lease it took: the point it finished is completed, the
+    one it trains is running, and the one it has not reached has nothing to say yet."""
+    sweep_dir = tmp_path / "sweep"
+    slow = [o for o in SLOW if not o.startswith("trainer.max_steps=")]
+    # hydra.mode=MULTIRUN: `-m` would have to come before the run dir RunningJob puts first
+    job = RunningJob(sweep_dir / "1", "hydra.mode=MULTIRUN", f"hydra.sweep.dir={sweep_dir}", *slow,
+                     "trainer.max_steps=6,60,6")
+    job.wait_for_step(9)  # point 1's steps: point 0 is done
+    frozen = job.freeze()
+    try:
+        status = gpujobs("status", str(sweep_dir), env={})
+    finally:
+        RunningJob.thaw(frozen)
+    table = rows(status.stdout)
+    assert status.returncode == 0, status.stderr
+    assert ["completed (files)" in table["0"], "running (files)" in table["1"], "? (files)" in table["2"]] == [
+        True] * 3, status.stdout
+    assert job.wait() == 0, job.output()
+
+
+def test_resubmit_failed_reruns_the_failed_points_of_a_local_sweep_here(tmp_path: Path) -> None:
+    """What `status` calls failed, `resubmit --failed` brings back: locally, as the sweep ran its points."""
+    sweep_dir = tmp_path / "sweep"
+    tiny = ("+experiment=rec", "+debug=tiny", "cluster=local", "trainer.max_steps=6")
+    proc = sweep(sweep_dir, *tiny, "task=jobs.rec.task:build_task,jobs.rec.task:no_such_builder", env={})
+    assert proc.returncode == 1 and "1 of 2 points ok, 1 failed" in proc.stderr, proc.stdout + proc.stderr
+    status = gpujobs("status", str(sweep_dir), env={})
+    table = rows(status.stdout)
+    assert "completed (files)" in table["0"] and "failed (files)" in table["1"], status.stdout
+    kept = (sweep_dir / "0" / "attempts.jsonl").read_text()
+
+    broken = gpujobs("resubmit", "--failed", str(sweep_dir), env={})  # not repaired yet: it fails again
+    assert broken.returncode == 1, broken.stdout + broken.stderr
+    assert "gpujobs: point #1 (" in broken.stderr and "0 of 1 points ok, 1 failed" in broken.stderr, broken.stderr
+    config = sweep_dir / "1" / "config.yaml"  # repaired, as a user fixing the cause would
+    config.write_text(config.read_text().replace("no_such_builder", "build_task"))
+    again = gpujobs("resubmit", "--failed", str(sweep_dir), env={})
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert again.stdout.endswith("gpujobs: resubmitted points 1\n"), again.stdout
+    assert "sweep point #1:" in again.stdout and "sweep point #0:" not in again.stdout, again.stdout
+    assert read_result(sweep_dir / "1")["status"] == "completed"
+    assert (sweep_dir / "0" / "attempts.jsonl").read_text() == kept  # the completed point did not run
+    done = gpujobs("resubmit", "--failed", str(sweep_dir), env={})
+    assert (done.returncode, done.stdout) == (1, "gpujobs: no failed points to resubmit\n"), done.stderr
+
+
 # ---------------------------------------------------------------- live cluster
 
 
@@ -215,6 +324,7 @@ def test_torn_lines_in_a_slurm_sweep_and_cancel_says_what_it_could_not(tmp_path:
 
         nothing = gpujobs("resubmit", "--failed", str(sweep_dir), env=slurm)
         assert nothing.returncode == 1 and "no failed points" in nothing.stdout, nothing.stdout + nothing.stderr
+        wait_gone(f"{array}_1", env=slurm)  # its lease holds while it is COMPLETING
         again = gpujobs("resubmit", "--failed", "--cancelled", str(sweep_dir), env=slurm)
         assert again.returncode == 0 and "resubmitted points 1\n" in again.stdout, again.stdout + again.stderr
         resubmitted = array_of(again.stdout)

@@ -11,6 +11,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -108,6 +109,21 @@ def wait_final(job_id: str, env: dict[str, str], timeout: float = 90) -> str:
     return state
 
 
+def wait_gone(*ids: str, env: dict[str, str], timeout: float = 120) -> None:
+    """Until squeue lists none of `ids`: accounting may call a job over while it is still COMPLETING, and
+    until then it holds its run dir's lease (a resubmit is refused, as a second job on it would be)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        listed = subprocess.run(["squeue", "-h", "-j", ",".join(ids), "-o", "%i %T"], capture_output=True, text=True,
+                                env={**os.environ, **env}, check=False)
+        if listed.returncode == 0 and not listed.stdout.strip():
+            return
+        if listed.returncode != 0 and "Invalid job id" in listed.stderr:  # purged: long gone
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"squeue still lists {', '.join(ids)} after {timeout} s")
+
+
 @pytest.mark.slurm
 def test_six_point_sweep_is_one_array(tmp_path: Path, slurm: dict[str, str]) -> None:
     sweep_dir = tmp_path / "sweep"
@@ -149,6 +165,7 @@ def test_cancel_fail_and_resubmit_only_the_failed(tmp_path: Path, slurm: dict[st
     # repair point 2 (as a user fixing the cause would), then bring back the failed ones only
     config = sweep_dir / "2" / "config.yaml"
     config.write_text(config.read_text().replace("no_such_builder", "build_task"))
+    wait_gone(f"{array}_2", f"{array}_3", env=slurm)
     again = gpujobs("resubmit", "--failed", str(sweep_dir), env=slurm)
     assert again.returncode == 0, again.stdout + again.stderr
     second = array_of(again.stdout)
@@ -267,6 +284,63 @@ def test_sweeper_params_reach_every_derived_point(tmp_path: Path, slurm: dict[st
         runs[sweeper] = {p.name: (p / "config.yaml").read_text() for p in sweep_dir.iterdir() if p.name.isdigit()}
     assert "  lr: 0.5\n" in runs["gpujobs"]["1"] and "  seed: 2\n" in runs["gpujobs"]["1"]
     assert runs["gpujobs"] == runs["basic"]
+
+
+def files_of(directory: Path) -> dict[str, tuple[bytes, int]]:
+    """Every file under `directory` with its bytes and its mtime (ns), less multirun.yaml: Hydra's sweeper
+    writes that one before any point is looked at, for every `-m` run."""
+    return {str(path.relative_to(directory)): (path.read_bytes(), path.stat().st_mtime_ns)
+            for path in sorted(directory.rglob("*")) if path.is_file() and path.name != "multirun.yaml"}
+
+
+def refusal(proc: subprocess.CompletedProcess[str]) -> str:
+    """The one `gpujobs:` line of a refused submission (exit code 2)."""
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("gpujobs")]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr, proc.stderr
+    return lines[0]
+
+
+def test_a_local_sweep_run_again_with_another_value_is_refused_before_any_point_starts(tmp_path: Path) -> None:
+    """Point 1 trained with optim.lr=0.003: the rerun with 0.01 is refused as a single run is, at submit,
+    before point 0 runs again, and nothing of the sweep dir changes; a single run into it is refused too."""
+    sweep_dir = tmp_path / "sw5"
+    local = ("+experiment=rec", "+debug=tiny", "cluster=local", "trainer.max_steps=9")
+    first = sweep(sweep_dir, *local, "optim.lr=1e-3,3e-3", env={})
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert (sweep_dir / "1" / "checkpoints").is_dir() and (sweep_dir / "sweep.json").exists()
+    before = files_of(sweep_dir)
+
+    again = sweep(sweep_dir, *local, "optim.lr=1e-3,1e-2", env={})
+    line = refusal(again)
+    assert line.startswith(f"gpujobs: {sweep_dir / '1' / 'checkpoints'}/step_"), line
+    assert "other values of optim.lr (0.003 -> 0.01)" in line, line
+    assert line.endswith(f"(sweep point #1: {' '.join(local)} optim.lr=0.01)"), line
+    assert "sweep point #0:" not in again.stdout, again.stdout  # point 0 did not run again either
+    assert files_of(sweep_dir) == before
+
+    single = submit(sweep_dir, *local)
+    line = refusal(single)
+    assert line.startswith(f"gpujobs: config error: hydra.run.dir='{sweep_dir}' is invalid: allowed a run dir, "
+                           "not a sweep dir (it holds sweep.json"), line
+    assert files_of(sweep_dir) == before
+
+
+@pytest.mark.slurm
+def test_a_slurm_sweep_run_again_with_another_value_queues_nothing(tmp_path: Path, slurm: dict[str, str]) -> None:
+    """As with cluster=local: the array's points are checked against their run dirs before anything is
+    written or queued."""
+    sweep_dir = tmp_path / "sweep"
+    first = sweep(sweep_dir, *TINY, "cluster.wait=true", "optim.lr=1e-3,3e-3", env=slurm)
+    assert first.returncode == 0, first.stdout + first.stderr
+    array = array_of(first.stdout)
+    wait_gone(f"{array}_0", f"{array}_1", env=slurm)  # else point 0 is refused first: its job still holds it
+    before = files_of(sweep_dir)
+    again = sweep(sweep_dir, *TINY, "optim.lr=1e-3,1e-2", env=slurm)
+    line = refusal(again)
+    assert line.startswith(f"gpujobs: {sweep_dir / '1' / 'checkpoints'}/step_"), line
+    assert "other values of optim.lr (0.003 -> 0.01)" in line and "submitted" not in again.stdout, line
+    assert files_of(sweep_dir) == before
 
 
 @pytest.mark.parametrize("sweeper", ["gpujobs", "basic"])

@@ -72,12 +72,28 @@ def preflight(job: JobConfig, cache: Optional[dict[Any, Any]] = None) -> None:
     _preflight_cluster(job, cache)
 
 
-def launch(job: JobConfig, run_dir: Path) -> int:
-    """Preflight, then start the job (or, for a dry run, print its script); returns the exit code."""
+def check_start(job: JobConfig, run_dir: Path, key: str = "hydra.run.dir") -> None:
+    """Refuse, before anything is written, a start that `run_dir` must not take (every single run and
+    every point of a sweep, local or Slurm, asks): a sweep dir, which holds points, not a run
+    (ConfigError on `key`, the Hydra key that placed the run dir); checkpoints of another run, or ones
+    that `checkpoint.resume=false` would prune (ResumeMismatch); another live job's lease (LeaseHeld).
+    Each is one line naming the run dir."""
+    from gpujobs.launch.sweep import SWEEP_FILE
+    from gpujobs.rundir import lease
     from gpujobs.rundir.resume import check_run_dir
 
-    preflight(job)
+    if (run_dir / SWEEP_FILE).exists():
+        raise ConfigError(key, str(run_dir), f"a run dir, not a sweep dir (it holds {SWEEP_FILE}: a sweep dir "
+                          "holds the points' run dirs, not a run)")
     check_run_dir(job, run_dir)  # a run dir with checkpoints resumes only the same run
+    lease.check_free(run_dir)  # a sweep point's too: refused here, not after the points before it ran
+
+
+def launch(job: JobConfig, run_dir: Path) -> int:
+    """Preflight and `check_start`, then start the job (or, for a dry run, print its script); returns the
+    exit code."""
+    preflight(job)
+    check_start(job, run_dir)
     if job.cluster.dry_run:
         from gpujobs.launch.slurm import single_executor
         from gpujobs.rundir.files import discard_if_empty

@@ -14,19 +14,25 @@ import re
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from gpujobs.errors import GpujobsError
-from gpujobs.rundir import CONFIG_FILE
+from gpujobs.rundir import CONFIG_FILE, lease
 from gpujobs.rundir.attempts import AttemptLog
 from gpujobs.rundir.files import read_config, read_submissions, record_cancel
-from gpujobs.rundir.records import read_result
+from gpujobs.rundir.records import Attempt, Result, read_result
+
+if TYPE_CHECKING:
+    from gpujobs.launch.sweep import Outcome
 
 #: States after which a job will not run again by itself.
 FINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
          "PREEMPTED"}
 #: States `resubmit --failed` brings back (CANCELLED only with --cancelled: cancelling was a choice).
 FAILED = {"FAILED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "PREEMPTED"}
+#: How a run that ran here (cluster=local or debug) ended, as its files say, that `resubmit --failed`
+#: brings back: its last attempt's reason once no attempt follows, or `interrupted` (its launcher is gone).
+FAILED_HERE = {"failed", "hung", "unhealthy", "timeout", "preempted", "interrupted"}
 #: A pending (or never started) part of an array, as sacct lists it: `JOBID_[4-999]`, `JOBID_[1,3,5-7%2]`.
 _ARRAY_RANGE = re.compile(r"^(\d+)_\[([0-9,\-]+)(?:%\d+)?\]$")
 #: How `scancel -v` names an id it could not signal, and why.
@@ -53,6 +59,9 @@ class PointState:
     state: str = "?"
     final: bool = False
     """The current job will not run again by itself (Slurm says so, or the run dir's files do)."""
+    ended: Optional[str] = None
+    """Why it is over where the run dir's files say so (`state_from_files`): completed, cancelled,
+    interrupted, or the last attempt's reason; None while it may go on, or where Slurm's state is shown."""
 
 
 def points_of(path: Path) -> list[PointState]:
@@ -140,22 +149,54 @@ def run_sacct(options: list[str], job_ids: list[str], timeout_s: float, env: Opt
     return proc.stdout
 
 
-def state_from_files(point: PointState) -> tuple[str, bool]:
-    """What the run dir says without Slurm, and whether that is final.
+def _local_lease(run_dir: Path) -> Optional[lease.Lease]:
+    """The run dir's lease when a launcher on a machine (cluster=local or debug) holds it, not a Slurm job."""
+    held = lease.read(run_dir)
+    return held if held is not None and held.holder == "local" else None
 
-    Final: result.json says completed, `gpujobs cancel` cancelled the current job, or the current job's
-    last attempt says it will not be requeued. An attempt of an earlier job (the point was resubmitted
-    since) says nothing about the current one.
+
+def current_result(run_dir: Path, attempts: Optional[list[Attempt]] = None) -> Optional[Result]:
+    """result.json while it is the run's last word, else None: a result stays on disk when the run dir is
+    started again (a larger trainer.max_steps resumes it here) and when such a start fails.
+
+    It is the last word when no attempt was recorded after the completed one that wrote it, and no local
+    launcher took the run dir since (its lease is newer than that attempt: the ranks and the launcher
+    share a clock). Slurm jobs queued on a completed run dir train in a rerun dir: its result stays.
     """
-    result = read_result(point.run_dir)
-    if result is not None and result.completed:
-        return "completed (files)", True
-    if point.cancelled:
-        return "cancelled (files)", True
+    result = read_result(run_dir)
+    attempts = AttemptLog(run_dir).read() if attempts is None else attempts
+    if result is None or not attempts:  # no ledger: written by a gpujobs that kept none
+        return result
+    held = _local_lease(run_dir)
+    if attempts[-1].reason != "completed" or (held is not None and held.since > attempts[-1].end):
+        return None
+    return result
+
+
+def state_from_files(point: PointState) -> tuple[str, Optional[str]]:
+    """What the run dir says without Slurm, and why it is over when that is final (else None).
+
+    A local launcher that took the run dir after its last recorded attempt, or is to restart that
+    attempt, is running it while it lives (its lease says so: `running`); gone, it was killed or its
+    machine went down (`interrupted`, final). A sweep's launcher keeps the leases of the points it ran
+    while it runs the next: their last attempts came after it took them. Otherwise final: a current
+    result says completed (`current_result`), `gpujobs cancel` cancelled the current job, or the
+    current job's last attempt says it will not be requeued. An attempt of an earlier job (the point was
+    resubmitted since) says nothing about the current one.
+    """
+    held = _local_lease(point.run_dir)
     attempts = AttemptLog(point.run_dir).read()
-    if not attempts or attempts[-1].job_id != point.job_id:
-        return "? (files)", False
-    return f"{attempts[-1].reason} (files)", not attempts[-1].requeue
+    last = attempts[-1] if attempts else None
+    if held is not None and (last is None or last.end < held.since or last.requeue):
+        return ("running (files)", None) if lease.live(held)[0] else ("interrupted (files)", "interrupted")
+    result = current_result(point.run_dir, attempts)
+    if result is not None and result.completed:
+        return "completed (files)", "completed"
+    if point.cancelled:
+        return "cancelled (files)", "cancelled"
+    if last is None or last.job_id != point.job_id:
+        return "? (files)", None
+    return f"{last.reason} (files)", None if last.requeue else last.reason
 
 
 def refresh(points: list[PointState], timeout_s: float = 10.0) -> Optional[str]:
@@ -164,7 +205,7 @@ def refresh(points: list[PointState], timeout_s: float = 10.0) -> Optional[str]:
         states = sacct_states([p.job_id for p in points if p.job_id], timeout_s)
     except SlurmCommandError as err:
         for point in points:
-            point.state, point.final = state_from_files(point)
+            _from_files(point)
         return f"{err}: showing what the run dirs say"
     for point in points:
         state = sacct_state_of(point.job_id, states) if point.job_id else None
@@ -173,8 +214,13 @@ def refresh(points: list[PointState], timeout_s: float = 10.0) -> Optional[str]:
         elif point.cancelled:  # Slurm keeps no record of an array task cancelled while pending
             point.state, point.final = "CANCELLED", True
         else:  # a local run, or a job sacct does not list (yet)
-            point.state, point.final = state_from_files(point)
+            _from_files(point)
     return None
+
+
+def _from_files(point: PointState) -> None:
+    point.state, point.ended = state_from_files(point)
+    point.final = point.ended is not None
 
 
 def select(points: list[PointState], num: Optional[int]) -> list[PointState]:
@@ -231,23 +277,36 @@ def cancel(points: list[PointState]) -> CancelOutcome:
     return outcome
 
 
-def resubmit(sweep_dir: Path, points: list[PointState], *, cancelled: bool = False) -> list[PointState]:
-    """Queue again, as one new array, the points that failed (and, if asked, were cancelled).
+def resubmit(sweep_dir: Path, points: list[PointState], *, cancelled: bool = False) -> list[Outcome]:
+    """Start again the points that failed (and, if asked, were cancelled): Slurm points as one new array
+    (a single run dir: one job again, as it was), points that ran here (cluster=local or debug) here, one
+    after another, as the sweep ran them (`sweep.run_here`).
 
-    Each resumes from its run dir's last complete checkpoint, as every start does. Returns those queued.
+    Each is checked first as every start is (preflight, `check_start`): one refused, nothing is queued
+    or run. Each resumes from its run dir's last complete checkpoint, as every start does. Returns one
+    outcome per point, in order: queued (its job id) or, for those run here, completed or failed.
     """
-    from gpujobs.launch.sweep import ARRAY_FOLDER, Point, submit_arrays
+    from gpujobs.launch.sweep import ARRAY_FOLDER, Outcome, SweepPlan, run_here, submit_arrays
 
-    wanted = FAILED | ({"CANCELLED"} if cancelled else set())
-    chosen = [p for p in points if p.state in wanted]
-    if not chosen:
-        return []
-    plan = [Point(p.num or 0, p.overrides, read_config(p.run_dir), p.run_dir) for p in chosen]
-    if chosen[0].num is None:  # a single run dir: one job again, as it was
-        from gpujobs.launch.slurm import submit_slurm
+    slurm_wanted = FAILED | ({"CANCELLED"} if cancelled else set())
+    here_wanted = FAILED_HERE | ({"cancelled"} if cancelled else set())
+    # a point never queued to Slurm ran here: only its files say how it ended
+    chosen = [p for p in points if (p.state in slurm_wanted if p.job_id else p.ended in here_wanted)]
+    plan = SweepPlan(sweep_dir.absolute())
+    for p in chosen:
+        plan.add(read_config(p.run_dir), p.run_dir, p.num or 0, p.overrides)
+    slurm = [point for point in plan.points if point.job.cluster.name == "slurm"]
+    here = [point for point in plan.points if point.job.cluster.name != "slurm"]
+    if chosen and chosen[0].num is None:  # a single run dir: one job again, as it was
+        (point,) = plan.points
+        if slurm:
+            from gpujobs.launch.slurm import submit_slurm
 
-        sjob = submit_slurm(plan[0].job, plan[0].run_dir)
-        print(f"gpujobs: submitted Slurm job {sjob.job_id}; run dir {plan[0].run_dir}", flush=True)
-    else:
-        submit_arrays(plan, sweep_dir.absolute() / ARRAY_FOLDER)
-    return chosen
+            sjob = submit_slurm(point.job, point.run_dir)
+            print(f"gpujobs: submitted Slurm job {sjob.job_id}; run dir {point.run_dir}", flush=True)
+            return [Outcome(point, 0, job_id=sjob.job_id)]
+        from gpujobs.launch import start
+
+        return [Outcome(point, start(point.job, point.run_dir))]
+    outcomes = submit_arrays(slurm, sweep_dir.absolute() / ARRAY_FOLDER) if slurm else []
+    return outcomes + run_here(sweep_dir.absolute(), here)

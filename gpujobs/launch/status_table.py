@@ -12,14 +12,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpujobs.launch.manage import PointState
+from gpujobs.launch.manage import PointState, current_result
 from gpujobs.rundir.attempts import AttemptLog
-from gpujobs.rundir.records import EvalRecord, TrainRecord, read_metrics, read_result
+from gpujobs.rundir.records import EvalRecord, TrainRecord, read_metrics
 
 
 def progress(run_dir: Path) -> tuple[str, str]:
-    """(last step, last metric): the result's AUC when there is one, else the last logged loss."""
-    result = read_result(run_dir)
+    """(last step, last metric): the result's AUC when there is a current one (not that of a run trained
+    further since, `current_result`), else the last logged loss."""
+    result = current_result(run_dir)
     # plan and checkpoint records say nothing of how far training got in loss or AUC
     records = [r for r in read_metrics(run_dir) if isinstance(r, (TrainRecord, EvalRecord))]
     last = records[-1] if records else None
@@ -52,10 +53,10 @@ def excluded_nodes(run_dir: Path) -> list[str]:
 
 
 def world_size_now(run_dir: Path) -> str:
-    """The run's world size: the result's once it has one, else that of the attempt whose training
-    records came last (the one running, or the last that ran: the ranks of its last logged window),
-    else the last attempt's; `-` when nothing says."""
-    result = read_result(run_dir)
+    """The run's world size: the current result's once it has one, else that of the attempt whose
+    training records came last (the one running, or the last that ran: the ranks of its last logged
+    window), else the last attempt's; `-` when nothing says."""
+    result = current_result(run_dir)
     if result is not None and result.world_size is not None:
         return str(result.world_size)
     for record in reversed(read_metrics(run_dir)):

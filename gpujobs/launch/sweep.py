@@ -5,12 +5,13 @@ How a sweep runs (the launcher is `hydra_plugins/gpujobs_launcher`, the default 
 1. **Plan.** The launcher runs each point's task function through Hydra's `run_job`, as Hydra's basic
    launcher does, so any Hydra app works with it (and Hydra's launcher test suites pass). Meanwhile a
    `SweepPlan` is active. gpujobs' own task (`gpujobs.submit`) sees it and, instead of running its
-   point, validates it (`load_config` + preflight; Slurm is asked once for the whole sweep) and adds it
-   to the plan. A bad point stops the sweep there with one error line and exit code 2: nothing has been
-   written or queued yet. When only plain values are swept, the gpujobs sweeper
-   (`hydra_plugins/gpujobs_launcher/gpujobs_sweeper.py`) composes the config once and hands the launcher
-   every point's config derived from it, instead of Hydra composing each point twice; the task (marked
-   `PLANS_SWEEP_POINTS`) plans each point the same way.
+   point, validates it (`load_config` + preflight; Slurm is asked once for the whole sweep) and checks its
+   run dir as a single run's is (`check_start`: checkpoints of another run, a live job's lease), and adds
+   it to the plan. A bad point stops the sweep there with one error line and exit code 2: nothing has been
+   written or queued yet, and a sweep dir run before keeps its sweep.json and its points' files. When
+   only plain values are swept, the gpujobs sweeper (`hydra_plugins/gpujobs_launcher/gpujobs_sweeper.py`)
+   composes the config once and hands the launcher every point's config derived from it, instead of
+   Hydra composing each point twice; the task (marked `PLANS_SWEEP_POINTS`) plans each point the same way.
 2. **Carry out.** The launcher then calls `run_plan`. Slurm points are grouped by their sbatch header
    (resources, partition, time, NCCL environment: an array shares one), each group is one job array
    (`--array=0-N%P`, P = `cluster.array_parallelism`), split where it would pass the cluster's
@@ -42,7 +43,7 @@ from typing import Any, Optional
 from gpujobs.atomic import fsync_batch, write_json_atomic, write_text_atomic
 from gpujobs.config import JobConfig
 from gpujobs.errors import SubmitError
-from gpujobs.launch import preflight
+from gpujobs.launch import check_start, preflight
 from gpujobs.rundir import CONFIG_FILE, SBATCH_FILE
 from gpujobs.rundir.files import discard_if_empty, write_config
 
@@ -84,8 +85,10 @@ class SweepPlan:
     _cluster_cache: dict[Any, Any] = field(default_factory=dict)
 
     def add(self, job: JobConfig, run_dir: Path, num: int, overrides: list[str]) -> None:
-        """Validate one point against where it will run (ConfigError/SubmitError if it cannot) and keep it."""
+        """Validate one point against where it will run (ConfigError/SubmitError if it cannot) and against
+        its run dir, as a single run is (`check_start`: a rerun of the sweep with other values), and keep it."""
         preflight(job, self._cluster_cache)
+        check_start(job, run_dir, "hydra.sweep.subdir")
         self.points.append(Point(num, list(overrides), job, run_dir))
 
     def discard(self) -> None:
@@ -277,8 +280,6 @@ def run_plan(plan: SweepPlan) -> list[Outcome]:
 
 
 def _carry_out(plan: SweepPlan) -> list[Outcome]:
-    from gpujobs.launch import start
-
     slurm = [p for p in plan.points if p.job.cluster.name == "slurm"]
     others = [p for p in plan.points if p.job.cluster.name != "slurm"]
     outcomes: list[Outcome] = []
@@ -300,9 +301,18 @@ def _carry_out(plan: SweepPlan) -> list[Outcome]:
         if any(p.job.cluster.should_wait for p in slurm):
             wait_for(queued)
         outcomes += queued
-    if others:  # `gpujobs status SWEEP_DIR` reads local points too, also while they run
-        write_sweep_file(plan.sweep_dir, others)
-    for point in others:
+    return outcomes + run_here(plan.sweep_dir, others)
+
+
+def run_here(sweep_dir: Path, points: list[Point]) -> list[Outcome]:
+    """Run points of other clusters than Slurm (local, debug) here, one after another (a sweep's, or
+    those `gpujobs resubmit` brings back); each point's outcome is its exit code."""
+    from gpujobs.launch import start
+
+    if points:  # `gpujobs status SWEEP_DIR` reads local points too, also while they run
+        write_sweep_file(sweep_dir, points)
+    outcomes = []
+    for point in points:
         print(f"gpujobs: sweep point #{point.num}: {' '.join(point.overrides)}", flush=True)
         outcomes.append(Outcome(point, start(point.job, point.run_dir)))
     return outcomes
