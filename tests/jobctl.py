@@ -33,7 +33,7 @@ class RunningJob:
         cmd = [sys.executable, "-m", "gpujobs.submit", f"hydra.run.dir={run_dir}", *overrides]
         self.proc = subprocess.Popen(
             cmd, stdout=self._log, stderr=subprocess.STDOUT, text=True,
-            env={**self.env, "PYTHONUNBUFFERED": "1"},
+            env={**self.env, "PYTHONUNBUFFERED": "1"}, preexec_fn=_as_from_a_terminal,
         )
 
     def output(self) -> str:
@@ -109,6 +109,12 @@ class RunningJob:
         for job_id in set(re.findall(r"submitted Slurm job (\d+)", self.output())):
             subprocess.run(["scancel", job_id], env=self.env, capture_output=True, timeout=30, check=False)
         self._log.close()
+
+
+def _as_from_a_terminal() -> None:
+    """SIGINT as a user's shell leaves it: a test run in the background (`pytest &`, as scripts/test.sh
+    runs one) inherits it ignored, and so would every job it starts."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def attempts(run_dir: Path) -> list[dict[str, Any]]:

@@ -64,8 +64,10 @@ class ScriptJob:
         self.job.nccl.export_env(Path(self.run_dir))
         os.environ["GPUJOBS_RUN_DIR"] = self.run_dir
         clock = time.perf_counter()
-        code = _run_until_done([sys.executable, script.path, *script.args], script.cwd, lambda: watcher.flagged)
-        told_at = watcher.flagged_at if watcher.flagged else None  # a USR2 after the script's end changes nothing
+        code, told = _run_until_done([sys.executable, script.path, *script.args], script.cwd,
+                                     lambda: watcher.flagged)
+        # only a script that was told to stop stopped: a USR2 that came after it exited changes nothing
+        told_at = (watcher.flagged_at or time.time()) if told else None
         line = {"start": round(started, 3), "script_exit": code}
         if told_at is not None:
             reason = classify_stop(self.job, started, told_at)
@@ -111,15 +113,16 @@ def record_completed(run_dir: Path, job: JobConfig, world_size: int, started: fl
     write_result(run_dir, _result(job, world_size, wall_s))
 
 
-def _run_until_done(command: list[str], cwd: Optional[str], stop_asked: Any) -> int:
-    """Run the script; tell it to stop (once) as soon as `stop_asked()`; returns its exit code."""
+def _run_until_done(command: list[str], cwd: Optional[str], stop_asked: Any) -> tuple[int, bool]:
+    """Run the script; tell it to stop (once) as soon as `stop_asked()`; returns its exit code, and
+    whether it was told (a stop asked for after it exited by itself is none of its business)."""
     # Slurm signals every process of a step: the script must hear of the stop from us, as SIGTERM, and not
     # die of USR2's default action (ignored dispositions survive exec; a script may still install its own).
     proc = subprocess.Popen(command, cwd=cwd or None, preexec_fn=_ignore_usr2)
     told = False
     while True:
         try:
-            return proc.wait(timeout=0.2)
+            return proc.wait(timeout=0.2), told
         except subprocess.TimeoutExpired:
             if stop_asked() and not told:
                 proc.send_signal(STOP_SIGNAL)
