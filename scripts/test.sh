@@ -44,14 +44,14 @@ if [ "$#" -gt 0 ]; then
   python -m pytest "$@"
 else
   # Two pytest runs side by side: the live Slurm tests one after another (they share the cluster's two
-  # nodes, and some need them idle), the others beside them, in the time the Slurm tests spend waiting
-  # on the scheduler. (pytest-xdist's loadgroup cannot keep them together under pytest 9: its group
+  # nodes, and some need them idle), with a few local files that even the two out (tests/conftest.py's
+  # SLURM_LANE), and the others beside them, in the time the Slurm tests spend waiting on the scheduler. (pytest-xdist's loadgroup cannot keep them together under pytest 9: its group
   # suffix no longer reaches the test ids.) The others' output follows the Slurm tests' output.
   others_log="$(mktemp)"
-  python -m pytest -m "not slurm" --basetemp="$(mktemp -d)" >"$others_log" 2>&1 &
+  python -m pytest -m "not slurm and not slurm_lane" --basetemp="$(mktemp -d)" >"$others_log" 2>&1 &
   others=$!
   rc=0
-  python -m pytest -m slurm --basetemp="$(mktemp -d)" || rc=$?
+  python -m pytest -m "slurm or slurm_lane" --basetemp="$(mktemp -d)" || rc=$?
   if ! wait "$others"; then rc=1; fi
   echo "== pytest: the tests that need no Slurm (run beside the Slurm tests)"
   cat "$others_log"

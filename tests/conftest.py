@@ -82,13 +82,20 @@ SLOW = (
 )
 
 
+#: Local test files that scripts/test.sh runs in the Slurm tests' process: alone, the others take ~18 min
+#: and the Slurm tests ~15, and these (~2.5 min of real DDP runs) even the two out.
+SLURM_LANE = frozenset({"test_balance_runs.py"})
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Every test that uses the live Slurm cluster carries the `slurm` marker, whether or not it says so:
-    scripts/test.sh runs `-m slurm` (one after another: they share the cluster's two nodes, and some need
-    them idle) beside `-m "not slurm"`, which fills the time the Slurm tests spend waiting."""
+    scripts/test.sh runs `-m "slurm or slurm_lane"` (one after another: they share the cluster's two nodes,
+    and some need them idle) beside the rest, which fills the time the Slurm tests spend waiting."""
     for item in items:
         if "slurm" in getattr(item, "fixturenames", ()) and not item.get_closest_marker("slurm"):
             item.add_marker(pytest.mark.slurm)
+        elif item.path.name in SLURM_LANE:
+            item.add_marker(pytest.mark.slurm_lane)
 
 
 @pytest.fixture(autouse=True)
