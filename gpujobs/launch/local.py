@@ -146,8 +146,8 @@ def _record_interrupt(job: JobConfig, attempts: AttemptLog, before: int, sjob: A
     if len(attempts.read()) == before:
         attempts.record(job.cluster, "cancelled", recorded_by="launcher", start=round(started, 3),
                         world_size=job.resources.ranks_per_node, error=f"the launcher got {name}")
-    run_dir = attempts.path.parent
-    print(f"\ngpujobs: interrupted ({name}): local job {sjob.job_id} killed; its checkpoints stay in {run_dir}, "
+    print(f"\ngpujobs: interrupted ({name}): local job {sjob.job_id} killed; its checkpoints stay in "
+          f"{attempts.run_dir}, "
           "and the same command resumes from the last one", flush=True)
     return 128 + signum
 
@@ -186,7 +186,7 @@ def _judge_attempt(job: JobConfig, attempts: AttemptLog, before: int, error: str
         last = history[-1]
         return last.reason, Decision(last.requeue, last.why), last.error or error
     ranks = job.resources.ranks_per_node  # a local job's ranks: one node's
-    reason, fields = failures.left_outcome(attempts.path.parent, ranks, attempt) or ("failed", {"error": error})
+    reason, fields = failures.left_outcome(attempts.run_dir, ranks, attempt) or ("failed", {"error": error})
     recorded = attempts.record(job.cluster, reason, recorded_by="launcher", world_size=ranks,
                                start=round(started, 3), **fields)
     return reason, Decision(recorded.requeue, recorded.why), fields.get("error", error)

@@ -66,11 +66,12 @@ class AttemptLog:
     """Appends and reads `attempts.jsonl` (one writer at a time: rank 0, or the local launcher)."""
 
     def __init__(self, run_dir: Path) -> None:
-        self.path = Path(run_dir) / ATTEMPTS_FILE
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / ATTEMPTS_FILE
 
     def read(self) -> list[Attempt]:
         """All attempts, oldest first (a torn last line from a crash is ignored)."""
-        return read_attempts(self.path.parent)
+        return read_attempts(self.run_dir)
 
     def record(self, cluster: ClusterConfig, reason: str, **fields: Any) -> Attempt:
         """Decide whether another attempt may follow the one that just ended with `reason`, and write
