@@ -4,12 +4,15 @@ is taken over. Real local runs and the live Slurm cluster; no part of the lease 
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
+import pytest
 from conftest import SLOW, read_result, sacct_state, slurm_job_id, submit
 from jobctl import RunningJob, attempts
 
@@ -47,6 +50,43 @@ def test_a_stale_lease_is_taken_over_with_a_log_line(tmp_path: Path) -> None:
     assert f"taking over the stale lease of a local job (launcher pid {gone.pid}" in proc.stderr
     holder = lease.read(run_dir)
     assert holder is not None and holder.holder == "local" and holder.pid != gone.pid
+
+
+def _take(run_dir: Path, go: Any, won: Any, done: Any) -> None:
+    go.wait()
+    try:
+        lease.acquire(run_dir, lease.here())
+        with won.get_lock():
+            won.value += 1
+    except lease.LeaseHeld:
+        pass
+    done.wait(30)  # the winner lives on until both have tried: a lease whose holder exited is stale
+
+
+@pytest.mark.parametrize("old", ["stale", "torn"])
+def test_two_takers_of_one_stale_lease_never_both_win(tmp_path: Path, old: str) -> None:
+    """Both judge the lease stale at once: one takes the run dir, the other is refused (every time)."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    text = json.dumps(lease.Lease("local", os.uname().nodename, gone.pid, None, 1.0).__dict__)
+    ctx = multiprocessing.get_context("fork")
+    for trial in range(25):
+        run_dir = tmp_path / f"run{trial}"
+        run_dir.mkdir()
+        (run_dir / lease.LEASE_FILE).write_text(text if old == "stale" else text[:20])
+        go, won, done = ctx.Event(), ctx.Value("i", 0), ctx.Barrier(2)
+        takers = [ctx.Process(target=_take, args=(run_dir, go, won, done)) for _ in range(2)]
+        for taker in takers:
+            taker.start()
+        time.sleep(0.05)
+        go.set()
+        for taker in takers:
+            taker.join(30)
+            assert taker.exitcode == 0
+        assert won.value == 1, f"trial {trial}: {won.value} takers won"
+        holder = lease.read(run_dir)
+        assert holder is not None and holder.pid in {t.pid for t in takers}
+        assert [p.name for p in run_dir.iterdir()] == [lease.LEASE_FILE]  # nothing left aside
 
 
 def test_a_torn_lease_holds_nothing(tmp_path: Path) -> None:

@@ -18,9 +18,10 @@ import pytest
 from conftest import REPO, assert_golden, compose_job, read_result, sacct_state, submit
 from omegaconf import OmegaConf
 
+from gpujobs.errors import ConfigError
 from gpujobs.launch.manage import parse_sacct
 from gpujobs.launch.sbatch import render_sbatch, sbatch_request
-from gpujobs.launch.sweep import Point, array_spec, chunks, header_groups
+from gpujobs.launch.sweep import Point, SweepPlan, array_spec, chunks, header_groups
 from gpujobs.rundir.files import config_yaml, read_submissions
 
 TINY = ("+experiment=rec", "+debug=tiny", "cluster=slurm", "resources.procs_per_node=1")
@@ -50,6 +51,19 @@ def test_sacct_lines_with_pending_ranges() -> None:
         "17_0": "COMPLETED", "17_1": "CANCELLED", "17_2": "PENDING", "17_3": "PENDING", "17_4": "PENDING",
         "18": "RUNNING", "19_5": "PENDING", "19_7": "PENDING",
     }
+
+
+def test_slurm_points_cannot_share_a_fixed_prometheus_port() -> None:
+    """Slurm may pack two points onto one node: one fixed port would fail all but one of them."""
+    fixed = SweepPlan(Path("/runs/sweep"), _points(3, "telemetry.prometheus_port=9400"))
+    with pytest.raises(ConfigError, match=r"telemetry.prometheus_port=9400 .* points #0 and #1 may share a node"):
+        fixed.check_together()
+    own_ports = [Point(i, [], compose_job("+experiment=rec", "cluster=slurm", f"telemetry.prometheus_port={9400 + i}"),
+                       Path(f"/runs/sweep/{i}")) for i in range(3)]
+    here = [Point(i, [], compose_job("+experiment=rec", "cluster=local", "telemetry.prometheus_port=9400"),
+                  Path(f"/runs/sweep/{i}")) for i in range(3)]  # run one after another
+    for points in (_points(3, "telemetry.prometheus_port=0"), _points(3), own_ports, here):
+        SweepPlan(Path("/runs/sweep"), points).check_together()
 
 
 def test_array_script_matches_the_golden_file() -> None:
@@ -198,6 +212,21 @@ def test_a_sweep_that_sbatch_refuses_is_one_line_and_leaves_nothing(tmp_path: Pa
     assert len(lines) == 1 and lines[0].startswith("gpujobs: sbatch refused the job: "), proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr and "submitted" not in proc.stdout
     assert not sweep_dir.exists(), sorted(str(p) for p in sweep_dir.rglob("*"))  # no sweep.json, no point dirs
+
+
+def test_a_slurm_sweep_on_one_fixed_prometheus_port_is_refused_and_leaves_nothing(
+    tmp_path: Path, slurm: dict[str, str]
+) -> None:
+    sweep_dir = tmp_path / "sweep"
+    proc = sweep(sweep_dir, *TINY, "telemetry.prometheus_port=9400", "trainer.seed=1,2", env=slurm)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("gpujobs")]
+    assert lines == ["gpujobs: config error: telemetry.prometheus_port=9400 is invalid: allowed 0 (a free port for "
+                     "each point, written to its prometheus.json and file_sd target) or a port per point in a "
+                     "Slurm sweep: points #0 and #1 may share a node"], proc.stderr
+    assert "submitted" not in proc.stdout and not sweep_dir.exists()
+    apart = sweep(sweep_dir, *TINY, "cluster.dry_run=true", "telemetry.prometheus_port=9400,9401", env=slurm)
+    assert apart.returncode == 0, apart.stderr
 
 
 @pytest.mark.slurm

@@ -42,7 +42,7 @@ from typing import Any, Optional
 
 from gpujobs.atomic import fsync_batch, write_json_atomic, write_text_atomic
 from gpujobs.config import JobConfig
-from gpujobs.errors import SubmitError
+from gpujobs.errors import ConfigError, SubmitError
 from gpujobs.launch import check_start, preflight
 from gpujobs.rundir import CONFIG_FILE, SBATCH_FILE
 from gpujobs.rundir.files import discard_if_empty, write_config
@@ -90,6 +90,23 @@ class SweepPlan:
         preflight(job, self._cluster_cache)
         check_start(job, run_dir, "hydra.sweep.subdir")
         self.points.append(Point(num, list(overrides), job, run_dir))
+
+    def check_together(self) -> None:
+        """Refuse what the points cannot do side by side: Slurm may pack the points of a sweep onto one
+        node, and there only one of them can listen on a fixed Prometheus port (the others would fail
+        their attempts with `Address already in use`, again at every requeue)."""
+        first: dict[int, Point] = {}
+        for point in self.points:
+            port = point.job.telemetry.prometheus_port
+            if point.job.cluster.name != "slurm" or not port:
+                continue
+            if port in first:
+                raise ConfigError(
+                    "telemetry.prometheus_port", port,
+                    f"0 (a free port for each point, written to its prometheus.json and file_sd target) or a "
+                    f"port per point in a Slurm sweep: points #{first[port].num} and #{point.num} may share a node",
+                )
+            first[port] = point
 
     def discard(self) -> None:
         """Remove the empty run dirs Hydra made for the points (the sweep was refused)."""

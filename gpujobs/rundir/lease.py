@@ -70,8 +70,12 @@ def here(job_id: Optional[str] = None, *, submitting: bool = False) -> Lease:
 
 def read(run_dir: Path) -> Optional[Lease]:
     """The run dir's lease, or None (none, or unreadable: a lease torn by a crash holds nothing)."""
+    return _parse(run_dir / LEASE_FILE)
+
+
+def _parse(path: Path) -> Optional[Lease]:
     try:
-        return Lease(**json.loads((run_dir / LEASE_FILE).read_text()))
+        return Lease(**json.loads(path.read_text()))
     except (OSError, ValueError, TypeError):
         return None
 
@@ -149,36 +153,66 @@ def check_free(run_dir: Path, me: Optional[Lease] = None, wait_s: float = 0.0) -
 
 
 def acquire(run_dir: Path, me: Lease, wait_s: float = 0.0) -> None:
-    """Take `run_dir` for `me`: atomically when there is no lease, over a stale one with a log line.
+    """Take `run_dir` for `me`: atomically when there is no lease, over a stale (or torn) one with a log line.
 
     Raises LeaseHeld when another live job holds it, or when another job took it over at the same time.
     """
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / LEASE_FILE
-    text = _text(me)
     stale = check_free(run_dir, me, wait_s)
     current = read(run_dir)
     if stale is None and current is not None and _same_holder(current, me):
         return  # already ours (a requeue, another rank of this job): nothing to write
-    if stale is not None:
-        log.warning("run dir %s: taking over the stale lease of %s", run_dir, stale.describe())
     if stale is not None or path.exists():  # stale, or torn by a crash
-        write_text_atomic(path, text)
-    else:
-        tmp = run_dir / f".{LEASE_FILE}.{uuid.uuid4().hex}"
-        tmp.write_text(text)
-        try:
-            os.link(tmp, path)  # atomic, NFS included: fails if another job linked its lease first
-        except FileExistsError:
-            acquire(run_dir, me, wait_s)  # judge the winner: live (refused) or stale (taken over)
+        if not _move_aside(run_dir, stale):
+            acquire(run_dir, me, wait_s)  # another taker was first: judge its lease (live: refused)
             return
-        finally:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-        fsync_path(run_dir)
-    holder = read(run_dir)
-    if holder is None or not _same_holder(holder, me):  # two takers of one stale lease: the last write won
+        if stale is not None:
+            log.warning("run dir %s: taking over the stale lease of %s", run_dir, stale.describe())
+    tmp = run_dir / f".{LEASE_FILE}.{uuid.uuid4().hex}"
+    tmp.write_text(_text(me))
+    try:
+        os.link(tmp, path)  # atomic, NFS included: fails if another job linked its lease first
+    except FileExistsError:
+        acquire(run_dir, me, wait_s)  # judge the winner: live (refused) or stale (taken over)
+        return
+    finally:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+    fsync_path(run_dir)
+    holder = _read_settled(run_dir)
+    if holder is None or not _same_holder(holder, me):  # a taker that judged our lease stale: never, but say so
         raise LeaseHeld(f"run dir {run_dir} was taken over by {holder.describe() if holder else 'another job'}")
+
+
+def _move_aside(run_dir: Path, judged: Optional[Lease]) -> bool:
+    """Move the lease judged stale (`judged`; None: torn) out of the way; False when another taker was first.
+
+    A rename is the takeover: of two takers of one stale lease only one can move that file. The other
+    one moves nothing, or, if the first already linked a lease of its own, moves that one, sees that it
+    is not the lease it judged, and puts it back.
+    """
+    path = run_dir / LEASE_FILE
+    aside = run_dir / f".{LEASE_FILE}.stale.{uuid.uuid4().hex}"
+    try:
+        os.rename(path, aside)
+    except FileNotFoundError:
+        return False
+    if _parse(aside) != judged:
+        os.rename(aside, path)
+        return False
+    aside.unlink()
+    return True
+
+
+def _read_settled(run_dir: Path, wait_s: float = 2.0) -> Optional[Lease]:
+    """The lease, waiting up to `wait_s` while it is missing: a taker may hold ours aside for a moment."""
+    deadline = time.monotonic() + wait_s
+    lease = read(run_dir)
+    while lease is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+        lease = read(run_dir)
+    return lease
 
 
 def release(run_dir: Path, me: Lease) -> None:

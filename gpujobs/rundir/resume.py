@@ -110,9 +110,11 @@ def newest_marker(run_dir: Path) -> Optional[tuple[Path, dict[str, Any]]]:
         return None
     for entry in sorted(directory.glob(f"{STEP_PREFIX}*"), reverse=True):
         try:
-            return entry, json.loads((entry / MARKER).read_text())
+            marker = json.loads((entry / MARKER).read_text())
         except (OSError, ValueError):
             continue
+        if isinstance(marker, dict):  # valid JSON of another shape is no marker either
+            return entry, marker
     return None
 
 

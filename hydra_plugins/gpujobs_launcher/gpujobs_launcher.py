@@ -97,7 +97,7 @@ class GpujobsLauncher(Launcher):
         self, count: int, first_num: int, run_points: Callable[[], list[JobReturn]], how: str = ""
     ) -> Sequence[JobReturn]:
         """Run the points' tasks with a plan active (`run_points`), then carry out the plan they made."""
-        from gpujobs.errors import SubmitError
+        from gpujobs.errors import GpujobsError, SubmitError
         from gpujobs.launch.sweep import collecting, run_plan, summary  # lazily: plugin discovery stays fast
 
         setup_globals()
@@ -110,6 +110,11 @@ class GpujobsLauncher(Launcher):
             try:
                 runs = run_points()
             except BaseException:  # a refused point: nothing was queued; leave no empty run dirs
+                plan.discard()
+                raise
+            try:
+                plan.check_together()
+            except GpujobsError:  # points each valid, not side by side
                 plan.discard()
                 raise
         if not plan.points:
