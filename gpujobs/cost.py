@@ -186,9 +186,13 @@ def _local_segments(
     if not local:
         return []
     res = read_config(run_dir).resources
-    unit, per_rank = ("gpu", 1) if res.gpus_per_node else ("cpu", res.cpus_per_task)
     segments, previous_end = [], None
     for attempt in local:
+        # as it ran (a resume may change the placement); an older line says nothing: the config's
+        if attempt.unit is not None and attempt.per_rank is not None:
+            unit, per_rank = attempt.unit, attempt.per_rank
+        else:
+            unit, per_rank = str(res.held_per_rank["unit"]), int(res.held_per_rank["per_rank"])
         start = attempt.start
         if start is None:  # rank 0 died before it could say; the launcher restarts at once
             start = previous_end if previous_end is not None else min((r.time for r in records), default=attempt.end)

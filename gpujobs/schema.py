@@ -161,7 +161,9 @@ class CheckpointConfig(Checked):
     keep: int = field(default=2, metadata=bounds(ge=1))
     """Complete checkpoints kept; older ones are deleted after a newer one is complete."""
     resume: bool = True
-    """Start from the newest complete checkpoint in the run dir, if any."""
+    """Start from the newest complete checkpoint in the run dir, if any. false: this submission starts
+    from scratch, refused where the run dir holds checkpoints; its own later attempts (a requeue, a
+    restart) still resume from what it saved."""
     async_: bool = False
     """Key `checkpoint.async`: periodic saves block training only while the state is copied to host memory;
     writing, fsync, verification and publishing run in the background (one in flight). A save at a

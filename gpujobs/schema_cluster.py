@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from gpujobs.errors import ConfigError
 from gpujobs.validate import Checked, bounds
@@ -171,3 +171,9 @@ class ResourcesConfig(Checked):
     def world_size(self) -> int:
         """Total number of ranks."""
         return self.nodes * self.ranks_per_node
+
+    @property
+    def held_per_rank(self) -> dict[str, Any]:
+        """What each rank holds, as an attempt's line says it for the GPU-hour ledger: one GPU, or
+        `cpus_per_task` CPUs for CPU ranks (`unit`, `per_rank`)."""
+        return {"unit": "gpu", "per_rank": 1} if self.gpus_per_node else {"unit": "cpu", "per_rank": self.cpus_per_task}

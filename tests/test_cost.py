@@ -95,6 +95,18 @@ def test_a_failed_attempt_redoes_the_steps_past_its_checkpoint(restarted: Path) 
     assert total["seconds"] == point["seconds"] and total["steps"] == point["steps"]
 
 
+def test_each_attempt_is_costed_as_it_ran_after_the_placement_changed(restarted: Path, tmp_path: Path) -> None:
+    """A resume may change what each rank holds (config.yaml is rewritten): the attempts already run keep
+    what their lines say they held."""
+    assert [(a["unit"], a["per_rank"]) for a in attempts(restarted)] == [("cpu", 1), ("cpu", 1)]
+    before = cost_json(str(restarted))["points"][0]["seconds"]
+    moved = tmp_path / "run"
+    shutil.copytree(restarted, moved)
+    write_config(moved, compose_job(*SLOW, "resources.cpus_per_task=2"))  # what the next start would write
+    (point,) = cost_json(str(moved))["points"]
+    assert point["seconds"] == pytest.approx(before) and point["notes"] == [], point
+
+
 def test_json_keys_are_the_documented_ones(restarted: Path) -> None:
     document = cost_json(str(restarted))
     assert set(document) == {"dir", "points", "totals"}

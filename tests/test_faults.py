@@ -136,10 +136,18 @@ def test_resuming_with_a_changed_model_key_is_refused(tmp_path: Path) -> None:
     (line,) = [x for x in proc.stderr.splitlines() if x.startswith("gpujobs:")]
     assert "model.embedding_dim (16 -> 8)" in line and "use a new run dir" in line
     assert sorted(os.listdir(run_dir / "checkpoints")) == before
-    # what a step computes is the same: a longer run resumes
+    # what a step computes is the same: a longer run resumes, and is told that its schedule changed
     longer = submit(run_dir, *tiny, "trainer.max_steps=8", "trainer.log_every=2")
     assert longer.returncode == 0, longer.stdout + longer.stderr
     assert read_result(run_dir)["resumed_from"].endswith("step_00000004")
+    assert "trainer.max_steps 4 -> 8 with optim.schedule=cosine: the steps after step_00000004" in longer.stderr
+    # a run dir with nothing left to train is left as it is: no second `completed` line, the same result
+    result, ledger = (run_dir / "result.json").read_text(), (run_dir / "attempts.jsonl").read_text()
+    again = submit(run_dir, *tiny, "trainer.max_steps=8")
+    assert again.returncode == 0 and "completed already (8 steps): nothing to run" in again.stdout, again.stderr
+    assert (run_dir / "result.json").read_text() == result and (run_dir / "attempts.jsonl").read_text() == ledger
+    constant = submit(run_dir, *tiny, "trainer.max_steps=10", "optim.schedule=constant")
+    assert constant.returncode == 2 and "optim.schedule ('cosine' -> 'constant')" in constant.stderr
 
 
 def test_resume_false_in_a_run_dir_with_checkpoints_is_refused(tmp_path: Path) -> None:

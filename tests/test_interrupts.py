@@ -2,8 +2,9 @@
 
 Ctrl-C, SIGTERM (a `kill`, systemd) and SIGHUP (a closed terminal) to the launcher kill the local job and
 record its attempt as `cancelled`; the same command resumes. A launcher killed outright (SIGKILL) cannot
-record anything, but its ranks end within a second of it (`gpujobs.run.orphan`): the next submission of
-the run dir, which takes over the dead launcher's lease, never trains beside them.
+record anything, but its ranks end within a second of it (`gpujobs.run.orphan`), rank 0 recording the
+attempt as `interrupted` first: the next submission of the run dir, which takes over the dead launcher's
+lease, never trains beside them, and the ledger keeps every attempt.
 """
 
 from __future__ import annotations
@@ -62,10 +63,15 @@ def test_the_ranks_of_a_launcher_killed_outright_end_with_it(tmp_path: Path) -> 
     job = RunningJob(run_dir, *SLOW)
     job.wait_for_step(12)
     ranks = list(job.local_rank_pids().values())
-    os.kill(job.proc.pid, signal.SIGKILL)  # nothing can record this attempt
+    os.kill(job.proc.pid, signal.SIGKILL)  # the launcher cannot record this attempt: rank 0 does
     assert _gone(ranks), [pid for pid in ranks if alive(pid)]
+    (interrupted,) = attempts(run_dir)
+    assert interrupted["reason"] == "interrupted" and interrupted["requeue"] is False, interrupted
+    assert f"its launcher (pid {job.proc.pid}) was gone" in interrupted["error"], interrupted
+    assert interrupted["steps_done"] >= 12 and interrupted["start_step"] == 0 and interrupted["start"], interrupted
     again = submit(run_dir, *SLOW)  # takes the dead launcher's lease over, and trains alone
     assert again.returncode == 0, again.stdout + again.stderr
     assert "taking over the stale lease" in again.stdout + again.stderr
-    (completed,) = attempts(run_dir)
-    assert completed["reason"] == "completed" and read_result(run_dir)["steps"] == 60
+    first, completed = attempts(run_dir)
+    assert first == interrupted and completed["reason"] == "completed" and read_result(run_dir)["steps"] == 60
+    assert completed["resumed_from"] == interrupted["saved"], (interrupted, completed)

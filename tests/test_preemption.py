@@ -63,6 +63,22 @@ def test_usr2_while_a_rank_starts_is_kept_for_its_watcher() -> None:
         signal.signal(signal.SIGUSR2, previous)
 
 
+def test_a_run_started_with_resume_false_resumes_its_own_checkpoints_after_a_stop(
+    tmp_path: Path, straight_digest: str
+) -> None:
+    """resume=false says the submission starts from scratch; its second attempt must not redo (and then
+    prune) what its first one saved."""
+    run_dir = tmp_path / "run"
+    job = RunningJob(run_dir, *SLOW, "checkpoint.resume=false")
+    job.wait_for_step(15)
+    job.signal_rank(0, signal.SIGUSR2)
+    assert job.wait() == 0, job.output()
+    first, second = attempts(run_dir)
+    assert first["reason"] == "preempted" and second["reason"] == "completed"
+    assert second["start_step"] == first["steps_done"] and second["resumed_from"] == first["saved"]
+    assert read_result(run_dir)["param_digest"] == straight_digest
+
+
 def test_killed_rank_restarts_from_the_checkpoint(tmp_path: Path, straight_digest: str) -> None:
     run_dir = tmp_path / "run"
     job = RunningJob(run_dir, *SLOW, "cluster.max_restarts=1")
@@ -73,7 +89,9 @@ def test_killed_rank_restarts_from_the_checkpoint(tmp_path: Path, straight_diges
     assert first["reason"] == "failed" and first["requeue"] is True
     assert "remote worker" in first["error"]  # gloo names the peer that went away
     assert "culprit_rank" not in first  # a killed rank leaves no error: rank 0's echo blames nobody
+    assert first["start_step"] == 0 and first["saved"].endswith("step_00000020")  # what it did, as any line says
     assert second["reason"] == "completed" and second["resumed_from"].endswith("step_00000020")
+    assert second["start_step"] == 20
     assert read_result(run_dir)["param_digest"] == straight_digest
 
 
@@ -88,6 +106,8 @@ def test_rank_0_killed_is_recorded_by_the_launcher_blaming_no_survivor(tmp_path:
     (line,) = attempts(run_dir)
     assert line["reason"] == "failed" and line["recorded_by"] == "launcher", line
     assert "culprit_rank" not in line and "rank 1:" not in line["error"], line
+    assert line["error"].startswith("rank 0 left no error of its own (killed by a signal"), line
+    assert "rank 1 failed after it: " in line["error"], line
     assert line["start"] < line["end"], line  # the attempt's span, for the GPU-hour ledger
     assert (run_dir / "failures" / "rank_1.json").exists()  # the echo was there to be (mis)read
 

@@ -108,7 +108,13 @@ def start(job: JobConfig, run_dir: Path) -> int:
     """Take the run dir's lease, write its config, then run or submit the already checked job; returns
     the exit code. Raises LeaseHeld, before anything is written, when another live job runs the run dir."""
     from gpujobs.rundir import lease
+    from gpujobs.rundir.records import read_result
 
+    result = read_result(run_dir)
+    if result is not None and result.leaves_nothing_to(job.trainer.max_steps):
+        print(f"gpujobs: run dir {run_dir} completed already ({result.steps} steps): nothing to run, and its "
+              "result stays (a longer trainer.max_steps continues it; a new run dir trains it again)", flush=True)
+        return 0
     # this launcher's; a Slurm submission hands it to the job it queues
     me = lease.here(submitting=job.cluster.name == "slurm")
     lease.acquire(run_dir, me)

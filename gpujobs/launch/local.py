@@ -145,7 +145,8 @@ def _record_interrupt(job: JobConfig, attempts: AttemptLog, before: int, sjob: A
     name = signal.Signals(signum).name
     if len(attempts.read()) == before:
         attempts.record(job.cluster, "cancelled", recorded_by="launcher", start=round(started, 3),
-                        world_size=job.resources.ranks_per_node, error=f"the launcher got {name}")
+                        world_size=job.resources.ranks_per_node, error=f"the launcher got {name}",
+                        **job.resources.held_per_rank)
     print(f"\ngpujobs: interrupted ({name}): local job {sjob.job_id} killed; its checkpoints stay in "
           f"{attempts.run_dir}, "
           "and the same command resumes from the last one", flush=True)
@@ -167,7 +168,7 @@ def _record_hang(job: JobConfig, attempts: AttemptLog, before: int, report: Hang
         last = attempts.read()[-1]
         return last.reason, Decision(last.requeue, last.why), last.error or fields["error"]
     recorded = attempts.record(job.cluster, "hung", recorded_by="launcher", world_size=job.resources.ranks_per_node,
-                               **fields)
+                               **job.resources.held_per_rank, **fields)
     print(f"gpujobs: {fields['error']}; stacks in {report.evidence_dir}", flush=True)
     return "hung", Decision(recorded.requeue, recorded.why), fields["error"]
 
@@ -186,7 +187,8 @@ def _judge_attempt(job: JobConfig, attempts: AttemptLog, before: int, error: str
         last = history[-1]
         return last.reason, Decision(last.requeue, last.why), last.error or error
     ranks = job.resources.ranks_per_node  # a local job's ranks: one node's
-    reason, fields = failures.left_outcome(attempts.run_dir, ranks, attempt) or ("failed", {"error": error})
+    reason, fields = failures.left_outcome(attempts.run_dir, ranks, attempt) or (
+        "failed", {"error": failures.silent(attempts.run_dir, ranks, attempt, error) or error})
     recorded = attempts.record(job.cluster, reason, recorded_by="launcher", world_size=ranks,
-                               start=round(started, 3), **fields)
+                               start=round(started, 3), **job.resources.held_per_rank, **fields)
     return reason, Decision(recorded.requeue, recorded.why), fields.get("error", error)

@@ -52,6 +52,10 @@ class TrainJob:
         _tag_log_records(info.rank)
         attempt = _Attempt(self.job, self.run_dir, info, started)
         attempt.lines_before = _lines(self.run_dir) if info.is_main else 0
+        if info.is_main:
+            from gpujobs.run import orphan
+
+            orphan.last_words.append(attempt.orphaned)
         with contextlib.ExitStack() as cleanup:
             cleanup.callback(watcher.uninstall)
             attempt.beat = self._heartbeat(info)
@@ -185,15 +189,30 @@ class _Attempt:
             return
         from gpujobs.run.preemption import record_attempt
 
-        trainer = self.trainer
-        progress = {} if trainer is None else {
-            "steps_done": trainer.step, "resumed_from": trainer.resumed_from, "resume_skipped": trainer.resume_skipped,
-            "world_size": trainer.info.world_size, "trained_from": trainer.trained_from,
-        }
         try:
-            record_attempt(self.run_dir, self.job, "failed", start=round(self.started, 3), **blamed, **progress)
+            record_attempt(self.run_dir, self.job, "failed", start=round(self.started, 3), **blamed, **self._progress())
         except Exception as record_err:  # never hide the real failure behind this one
             log.error("could not record the failed attempt: %s", record_err)
+
+    def orphaned(self, launcher: int) -> None:
+        """Rank 0 of a local job whose launcher is gone (killed outright): record the attempt as
+        `interrupted`, with how far it got, which the launcher can no longer do (`orphan.last_words`)."""
+        if _lines(self.run_dir) > self.lines_before:
+            return
+        from gpujobs.run.preemption import record_attempt
+
+        record_attempt(self.run_dir, self.job, "interrupted", start=round(self.started, 3),
+                       error=f"its launcher (pid {launcher}) was gone", **self._progress())
+
+    def _progress(self) -> dict[str, Any]:
+        """How far the attempt got, for its line (nothing before the trainer exists)."""
+        trainer = self.trainer
+        return {} if trainer is None else {
+            "steps_done": trainer.step, "resumed_from": trainer.resumed_from, "resume_skipped": trainer.resume_skipped,
+            "world_size": trainer.info.world_size, "trained_from": trainer.trained_from, "saved": trainer.saved,
+            # the step it trained from, once it did (a failure while resuming has none)
+            "start_step": trainer.beat.start_step if trainer.trained_from is not None else None,
+        }
 
     def drop(self) -> None:
         """Let go of the trainer and the task (and with them the DDP wrapper)."""

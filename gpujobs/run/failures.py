@@ -114,6 +114,25 @@ def left_outcome(run_dir: Path, world_size: int, attempt: str) -> Optional[tuple
     return (_earliest(stops).ended, {}) if stops else None
 
 
+def silent(run_dir: Path, world_size: int, attempt: str, last_line: str) -> Optional[str]:
+    """For the local launcher, where `left_outcome` found a rank that left nothing: the attempt's error,
+    naming the ranks that left no word of their end (killed, or dead before they could leave one) and
+    what the others left, then submitit's `last_line` (a log's last line: maybe the error, maybe not).
+    None where every rank left a file."""
+    left = _left(run_dir, world_size, attempt)
+    quiet = [rank for rank in range(world_size) if rank not in left]
+    if not quiet:
+        return None
+    who = f"rank {quiet[0]}" if len(quiet) == 1 else f"ranks {', '.join(map(str, quiet))}"
+    parts = [f"{who} left no error of its own (killed by a signal or the OOM killer, or dead before it could)"]
+    failed = [f for f in left.values() if f.ended == "failed"]
+    if failed:
+        echo = _earliest(failed)
+        parts.append(f"rank {echo.rank} failed after it: {echo.error}")
+    parts.append(f"the log's last line: {last_line}")
+    return "; ".join(parts)
+
+
 def ended(run_dir: Path, rank: int, node: str, how: str) -> None:
     """A script job's rank ended without failing: `done`, or told to stop for reason `how`. Its rank 0 may
     end before the others, so what stands beside the ranks records the attempt from these."""

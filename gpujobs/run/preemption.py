@@ -118,6 +118,8 @@ def record_attempt(run_dir: str, job: JobConfig, reason: str, **fields: Any) -> 
     """
     job_id = slurm_job_id()
     fields.setdefault("world_size", allocated_world_size())
+    for key, value in job.resources.held_per_rank.items():
+        fields.setdefault(key, value)
     ledger = AttemptLog(Path(run_dir))
     slurm_job = job_id if job.cluster.name == "slurm" else None  # local runs record the node, exclude nothing
     exclusion: Optional[quarantine.Exclusion] = None

@@ -7,7 +7,8 @@ for any submitit job). So the `submit.sbatch` kept in every Slurm run dir can be
 
 - a run that did not complete (crashed, cancelled, out of requeues) resumes from its last checkpoint,
   in its own run dir, as a requeue would;
-- a run that completed is left as it is: training starts again from scratch in
+- a run that completed (with nothing left to train for its config) is left as it is: training starts
+  again from scratch in
   `RUN_DIR/reruns/<job id>/` (with a copy of config.yaml), so "sbatch it again" reproduces the run
   (same seed, same world size: same `param_digest`) without overwriting the first result.
 """
@@ -40,9 +41,10 @@ def point_run_dir(points_file: Path, task_id: int) -> Path:
 
 
 def completed(run_dir: Path) -> bool:
-    """Whether the run dir holds the result of a run that completed."""
+    """Whether the run dir holds the result of a run that completed, with nothing left to train for its
+    config (a resubmission with a longer `trainer.max_steps` continues it in place)."""
     result = read_result(run_dir)
-    return result is not None and result.completed
+    return result is not None and result.leaves_nothing_to(read_config(run_dir).trainer.max_steps)
 
 
 def training_dir(run_dir: Path, job_id: str) -> Path:

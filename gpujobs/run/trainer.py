@@ -136,15 +136,16 @@ class Trainer:
         }
 
     def restore(self) -> bool:
-        """Continue from the newest checkpoint that verifies on every rank, if resume is on (collective);
-        True when it did.
+        """Continue from the newest checkpoint that verifies on every rank (collective); True when it did.
+
+        Whatever `checkpoint.resume` says: the submit side refuses `resume=false` where the run dir holds
+        checkpoints, so any found here are this run's own, saved by an earlier attempt of it (a requeue,
+        a restart), and starting over would redo, and then prune, what it saved.
 
         Newer steps that did not verify are logged and kept in `resume_skipped` for the attempt's line;
         a checkpoint of another run (what a step computes differs) is refused. At another world size the
         shared state carries over and each rank's random streams are re-derived from (seed, step, rank).
         """
-        if not self.job.checkpoint.resume:
-            return False
         self.beat.phase = "checkpoint"
         found, self.resume_skipped = self.checkpoints.load_latest(map_location=self.device)
         if found is None:

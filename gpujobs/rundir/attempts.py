@@ -47,7 +47,7 @@ class RequeuePolicy:
 
     def decide(self, history: list[Attempt], reason: str) -> Decision:
         """Decide for an attempt that just ended with `reason`, given the attempts before it."""
-        if reason in ("completed", "cancelled"):
+        if reason in ("completed", "cancelled", "interrupted"):
             return Decision(False, reason)
         # each budget, and the reasons that spend it
         spends = {"failed": ("failed", "hung"), "hung": ("failed", "hung")}.get(reason, (reason,))

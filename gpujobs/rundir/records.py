@@ -18,8 +18,10 @@ from gpujobs.atomic import read_jsonl, write_json_atomic
 from gpujobs.rundir import ATTEMPTS_FILE, METRICS_FILE, RESULT_FILE
 
 #: Why an attempt ended. `hung`: the watchdog found no progress and killed it; `unhealthy`: the health
-#: check at start failed on a node.
-REASONS = ("completed", "preempted", "timeout", "failed", "hung", "unhealthy", "cancelled")
+#: check at start failed on a node; `cancelled`: a local launcher that was interrupted (Ctrl-C, SIGTERM,
+#: SIGHUP) killed its job; `interrupted`: a local launcher was killed outright (SIGKILL, the OOM killer),
+#: recorded by rank 0 as it ended too. Neither is requeued: nothing is left to restart the job.
+REASONS = ("completed", "preempted", "timeout", "failed", "hung", "unhealthy", "cancelled", "interrupted")
 #: Reasons that blame a node: it leaves the job (Slurm's exclude list) before the next attempt.
 NODE_FAULTS = ("hung", "unhealthy")
 
@@ -37,7 +39,7 @@ class Attempt:
     """1 for the first attempt of the run dir."""
     reason: str
     """completed | preempted | timeout | failed | hung | unhealthy | cancelled (a local launcher that
-    was interrupted: Ctrl-C, SIGTERM, SIGHUP)."""
+    was interrupted: Ctrl-C, SIGTERM, SIGHUP) | interrupted (a local launcher killed outright)."""
     requeue: bool
     """Whether another attempt follows (within the budgets, and the requeue worked)."""
     why: str
@@ -63,6 +65,11 @@ class Attempt:
     """A bring-your-own script's exit code."""
     world_size: Optional[int] = None
     """Ranks the attempt ran with (elastic jobs: what the allocation gave)."""
+    unit: Optional[str] = None
+    """gpu or cpu: what each rank held (a resume may change the placement; the ledger costs each
+    attempt as it ran)."""
+    per_rank: Optional[int] = None
+    """How many of `unit` each rank held."""
     culprit_rank: Optional[int] = None
     """hung: the rank the watchdog blames (its stack was not in a collective, or its progress stopped
     first); unhealthy: the rank that found the fault; failed: the rank whose error came first, where
@@ -129,6 +136,11 @@ class Result:
     def completed(self) -> bool:
         """Whether the run completed."""
         return self.status == "completed"
+
+    def leaves_nothing_to(self, max_steps: int) -> bool:
+        """Whether it completed, with nothing left to train for a run of `max_steps` (a longer one continues
+        it; a script's run has no steps to compare: complete is complete)."""
+        return self.completed and (self.kind == "script" or self.steps is None or self.steps >= max_steps)
 
     @classmethod
     def from_json(cls, values: dict[str, Any]) -> Optional[Result]:

@@ -13,12 +13,15 @@ global batch size only. What must stay is the global batch, whether the config s
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any, Optional
 
 from gpujobs.config import JobConfig
 from gpujobs.errors import GpujobsError
 from gpujobs.rundir import CHECKPOINT_DIR, MARKER, STEP_PREFIX
+
+log = logging.getLogger(__name__)
 
 #: Config sections and keys that decide what a training step computes.
 COMPUTE_KEYS = (
@@ -130,3 +133,21 @@ def check_run_dir(job: JobConfig, run_dir: Path) -> None:
             "saves would prune: use a new run dir, or remove them"
         )
     check_same_run(marker, job, str(path))
+    _warn_of_a_new_horizon(marker, job, path)
+
+
+def _warn_of_a_new_horizon(marker: dict[str, Any], job: JobConfig, path: Path) -> None:
+    """A longer (or shorter) run may resume, but a decaying learning rate is a function of max_steps:
+    say that the steps to come follow another schedule than the steps done (no uninterrupted run of
+    the new length trained those)."""
+    saved = marker.get("config")
+    trainer = saved.get("trainer") if isinstance(saved, dict) else None
+    before = trainer.get("max_steps") if isinstance(trainer, dict) else None
+    now = job.trainer.max_steps
+    if job.optim.schedule == "constant" or not isinstance(before, int) or before == now:
+        return
+    log.warning(
+        "trainer.max_steps %d -> %d with optim.schedule=%s: the steps after %s follow the learning-rate "
+        "schedule of a %d-step run, the steps before them that of a %d-step run (the result is not the one "
+        "an uninterrupted %d-step run gives)", before, now, job.optim.schedule, path.name, now, before, now,
+    )
