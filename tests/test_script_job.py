@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -153,3 +154,38 @@ def test_a_stop_after_rank_0_is_done_requeues_the_slurm_script(run_dir: Path, sl
     assert second["reason"] == "completed" and second["recorded_by"] == "supervisor", second
     exits = (run_dir / "exits_rank1.txt").read_text().splitlines()
     assert exits[0].startswith("stopped at") and exits[-1] == "finished at 300", exits
+
+
+@pytest.mark.slurm
+def test_a_job_whose_every_rank_failed_is_followed_through_its_requeue(run_dir: Path, slurm: dict[str, str]) -> None:
+    """Every rank of the first attempt fails, leaving its error in submitit's result file, and the job
+    is requeued: those files say done while the job pends and runs again. The follower follows it to
+    its real end, and does not report the first attempt's errors as the job's."""
+    proc = submit(run_dir, "cluster=slurm", "resources.procs_per_node=2", f"+script.path={SCRIPT}",
+                  "+script.args=[--fail-first-attempt]", "cluster.wait=true", "cluster.max_restarts=1", env=slurm)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    first, second = attempts(run_dir)
+    assert first["reason"] == "failed" and first["requeue"] is True, first
+    assert "exited with code 4" in first["error"], first
+    assert second["reason"] == "completed" and second["job_id"] == first["job_id"], second
+    assert "failed" not in proc.stdout.splitlines()[-1], proc.stdout
+    assert all(json.loads((run_dir / f"seen_rank{r}.json").read_text())["rank_sum"] == 1.0 for r in (0, 1))
+
+
+@pytest.mark.slurm
+def test_a_sweep_whose_points_failed_first_is_followed_through_their_requeues(
+    tmp_path: Path, slurm: dict[str, str]
+) -> None:
+    """The same as an array: each point's first attempt fails on every rank, and the sweep waits for
+    the requeued points' real ends."""
+    sweep_dir = tmp_path / "sweep"
+    cmd = [sys.executable, "-m", "gpujobs.submit", "-m", f"hydra.sweep.dir={sweep_dir}", "cluster=slurm",
+           "resources.procs_per_node=1,2", f"+script.path={SCRIPT}", "+script.args=[--fail-first-attempt]",
+           "cluster.wait=true", "cluster.max_restarts=1"]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1", **slurm})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for point in (0, 1):
+        first, second = attempts(sweep_dir / str(point))
+        assert first["reason"] == "failed" and first["requeue"] is True, first
+        assert second["reason"] == "completed", second

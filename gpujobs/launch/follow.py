@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -11,7 +12,7 @@ from gpujobs.atomic import JsonlTail
 from gpujobs.config import JobConfig
 from gpujobs.progress import ProgressView
 from gpujobs.rundir import METRICS_FILE, RESULT_FILE
-from gpujobs.rundir.lease import slurm_state
+from gpujobs.rundir.lease import LIVE_STATES, slurm_state
 from gpujobs.rundir.records import read_attempts, read_result
 
 _POLL_S = 0.25
@@ -55,8 +56,9 @@ class JobFollower:
         """
         import submitit
 
+        over = SlurmEnd(sjob).over if isinstance(sjob, submitit.SlurmJob) else sjob.done
         try:
-            while not sjob.done():
+            while not over():
                 self._show_new()
                 if tick is not None:
                     tick()
@@ -107,21 +109,36 @@ def ranks_of_last_attempt(run_dir: Path, job_id: str) -> Optional[int]:
     return result.world_size if result is not None else None
 
 
-#: The states of a Slurm job whose batch step may still run (the supervisor, after the ranks ended).
-_STEP_STATES = {"RUNNING", "COMPLETING", "CONFIGURING", "SIGNALING", "STAGE_OUT", "STOPPED", "SUSPENDED"}
+class SlurmEnd:
+    """Whether a Slurm job is over: its tasks' result files are there *and* Slurm no longer runs or
+    queues it.
 
-
-def settle(job_id: str, timeout_s: float = 120.0) -> None:
-    """Wait (at most `timeout_s`) until Slurm job `job_id`'s batch step is over.
-
-    submitit calls a job done once its ranks' results are there, but the supervisor beside them writes
-    its line after they end (a script job's `completed`, a failure rank 0 did not live or stay to record):
-    what the ledger says of the attempt is known only once the batch step is over. A requeued job is
-    pending again, so it is over too; a Slurm that cannot be asked is not waited for.
+    submitit calls a job done once every task has a result file. A requeued job keeps the files of its
+    instance before until its ranks write new ones: a rank that failed there (its error pickled) counts
+    as done while the requeued instance runs, and its old error would be read as the job's ending. And
+    the batch step's supervisor writes its ledger line after the ranks end. So the job is over only once
+    Slurm says so. A Slurm that cannot be asked is trusted to the files after `patience_s`.
     """
-    deadline = time.monotonic() + timeout_s
-    while slurm_state(job_id) in _STEP_STATES and time.monotonic() < deadline:
-        time.sleep(0.5)
+
+    def __init__(self, sjob: Any, patience_s: float = 120.0, ask_every_s: float = 1.0) -> None:
+        self.sjob = sjob
+        self.patience_s = patience_s
+        self.ask_every_s = ask_every_s
+        self._asked = -math.inf
+        self._unasked_since: Optional[float] = None
+
+    def over(self) -> bool:
+        """Whether the job is over (asks `squeue` at most every `ask_every_s`, and only once done)."""
+        now = time.monotonic()
+        if now - self._asked < self.ask_every_s or not self.sjob.done():
+            return False
+        self._asked = now
+        state = slurm_state(str(self.sjob.job_id))
+        if state is None:  # squeue failed: the files say done, and they are believed after a while
+            self._unasked_since = self._unasked_since if self._unasked_since is not None else now
+            return now - self._unasked_since >= self.patience_s
+        self._unasked_since = None
+        return state not in LIVE_STATES
 
 
 def failure_line(err: Exception) -> str:

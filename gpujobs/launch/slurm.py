@@ -114,11 +114,10 @@ def run_slurm(job: JobConfig, run_dir: Path) -> int:
     print(f"gpujobs: submitted Slurm job {sjob.job_id}; run dir {run_dir}", flush=True)
     if not job.cluster.should_wait:
         return 0
-    from gpujobs.launch.follow import JobFollower, settle  # rich: only paid when following
+    from gpujobs.launch.follow import JobFollower  # rich: only paid when following
 
     with JobFollower(run_dir, job) as follower:
-        error = follower.follow(sjob)
-        settle(str(sjob.job_id))
+        error = follower.follow(sjob)  # till Slurm says it is over: the supervisor's line is written
         if error is None:
             follower.print_result()
             return 0

@@ -264,13 +264,13 @@ def wait_for(outcomes: list[Outcome]) -> None:
     """
     import submitit
 
-    from gpujobs.launch.follow import failure_line, results, settle
+    from gpujobs.launch.follow import SlurmEnd, failure_line, results
 
+    ends = {id(o): SlurmEnd(o.handle, ask_every_s=0) for o in outcomes if o.handle is not None}
     pending = [o for o in outcomes if o.handle is not None]
     while pending:
-        for outcome in [o for o in pending if o.handle.done()]:
+        for outcome in [o for o in pending if ends[id(o)].over()]:  # its ledger line is written by then
             pending.remove(outcome)
-            settle(str(outcome.handle.job_id))  # its ledger line is written by then
             try:
                 results(outcome.handle, outcome.point.run_dir)
             except (submitit.core.utils.FailedJobError, submitit.core.utils.UncompletedJobError) as err:

@@ -32,7 +32,7 @@ from gpujobs.rundir import LEASE_FILE
 log = logging.getLogger(__name__)
 
 #: Slurm states in which a job may still run (or is running) in its run dir.
-_LIVE_STATES = {
+LIVE_STATES = {
     "PENDING", "RUNNING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING", "SUSPENDED", "COMPLETING",
     "CONFIGURING", "STOPPED", "SIGNALING", "STAGE_OUT", "PREEMPTED", "RESV_DEL_HOLD", "SPECIAL_EXIT",
 }
@@ -109,7 +109,7 @@ def live(lease: Lease) -> tuple[bool, str]:
         state = slurm_state(lease.job_id)
         if state is None:
             return True, "Slurm cannot be asked (squeue failed): assumed running"
-        return state in _LIVE_STATES, state or "gone from squeue"
+        return state in LIVE_STATES, state or "gone from squeue"
     if lease.host != socket.gethostname():
         return True, f"a process on {lease.host}, which this host cannot check"
     alive = _pid_alive(lease.pid)
