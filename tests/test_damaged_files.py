@@ -10,6 +10,7 @@ run as another user.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -95,3 +96,38 @@ def test_a_sweep_rerun_into_a_dir_with_a_damaged_sweep_json_is_refused_before_an
         assert "Traceback" not in proc.stderr, proc.stderr
         assert sorted(p.name for p in sweep_dir.iterdir()) == ["multirun.yaml", "sweep.json"]  # Hydra's own file
         assert (sweep_dir / "sweep.json").read_text() == '{"points": ['
+
+
+@pytest.mark.parametrize(("text", "why"), [
+    ("", "is damaged: it is empty"),
+    ("model: [\n", "is damaged: not YAML ("),
+    ("- 1\n- 2\n", "is damaged: a YAML list"),
+    ("model:\n  _target_: 3\n", "is not a config this gpujobs can run: model._target_=3 is invalid"),
+])
+def test_a_damaged_config_is_one_line_naming_it(tmp_path: Path, text: str, why: str) -> None:
+    run_dir = failed_local_run(tmp_path / "run")
+    (run_dir / "config.yaml").write_text(text)
+    before = snapshot(run_dir)
+    for command in (("cost",), ("resubmit", "--failed")):
+        one_line(gpujobs(*command, str(run_dir), env={}), f"gpujobs: {run_dir / 'config.yaml'} {why}")
+    assert snapshot(run_dir) == before  # resubmit ran nothing
+
+
+def test_a_config_that_cannot_be_read_is_one_line_naming_it(tmp_path: Path) -> None:
+    run_dir = failed_local_run(tmp_path / "run")
+    for how in UNREADABLE:
+        make_unreadable(run_dir / "config.yaml", how)
+        for command in (("cost",), ("resubmit", "--failed")):
+            one_line(gpujobs(*command, str(run_dir), env={}), f"gpujobs: {run_dir / 'config.yaml'} cannot be read: ")
+
+
+@pytest.mark.parametrize("name", ["attempts.jsonl", "metrics.jsonl", "slurm_jobs.jsonl"])
+def test_a_jsonl_file_that_cannot_be_read_is_one_line_naming_it(tmp_path: Path, name: str) -> None:
+    run_dir = failed_local_run(tmp_path / "run")
+    (run_dir / "metrics.jsonl").write_text(json.dumps({"kind": "train", "step": 1, "loss": 0.5,
+                                                        "samples_per_s": 10.0, "time": time.time()}) + "\n")
+    for how in UNREADABLE:
+        make_unreadable(run_dir / name, how)
+        # resubmit reads the attempts (which failed) and the submissions, not the metrics
+        for command in (("status",), ("cost",), *((("resubmit", "--failed"),) if name != "metrics.jsonl" else ())):
+            one_line(gpujobs(*command, str(run_dir), env={}), f"gpujobs: {run_dir / name} cannot be read: ")
