@@ -13,6 +13,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Optional
 
+from gpujobs.errors import GpujobsError
+
 
 def fsync_path(path: Path) -> None:
     """fsync a file (its contents) or a directory (a rename or a new entry in it)."""
@@ -105,12 +107,16 @@ def jsonl_record(line: str | bytes) -> Optional[dict[str, Any]]:
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     """Every complete record of a JSON-lines file, oldest first ([] when it does not exist).
 
-    A line cut short by a crash, or any other line that is not a JSON object, is skipped.
+    A line cut short by a crash, or any other line that is not a JSON object, is skipped. A file that is
+    there but cannot be read (a directory in its place, no permission) is a GpujobsError naming it: its
+    records would be missing without a word.
     """
     try:
         data = path.read_bytes()
     except FileNotFoundError:
         return []
+    except OSError as err:
+        raise GpujobsError(f"{path} cannot be read: {err.strerror}") from None
     return [record for line in data.splitlines() if (record := jsonl_record(line)) is not None]
 
 

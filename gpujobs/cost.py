@@ -49,6 +49,7 @@ from typing import Any, Optional
 
 from gpujobs.cost_sacct import Allocation, allocations
 from gpujobs.launch.manage import PointState
+from gpujobs.rundir import ATTEMPTS_FILE
 from gpujobs.rundir.files import read_config, read_submissions
 from gpujobs.rundir.records import (
     Attempt,
@@ -58,7 +59,7 @@ from gpujobs.rundir.records import (
     MetricsRecord,
     PlanRecord,
     TrainRecord,
-    read_attempts,
+    read_ledger,
     read_metrics,
 )
 
@@ -143,9 +144,12 @@ def cost_of(points: list[PointState], timeout_s: float = 10.0) -> list[PointCost
 
 
 def _point_cost(point: PointState, held: dict[str, list[Allocation]]) -> PointCost:
-    attempts = read_attempts(point.run_dir)
+    attempts, unreadable = read_ledger(point.run_dir)
     records = sorted(read_metrics(point.run_dir), key=lambda r: r.time)
     notes: list[str] = []
+    if unreadable:
+        notes.append(f"{ATTEMPTS_FILE}: {unreadable} line{'s are' if unreadable > 1 else ' is'} no attempt (a field "
+                     "missing or of the wrong type): not counted")
     matched: set[int] = set()
     segments = []
     for job_id in slurm_jobs(point.run_dir):
@@ -202,7 +206,11 @@ def _local_segments(
         if world is None:
             world = res.world_size
             notes.append(f"attempt {attempt.attempt}: no world size recorded, counted as the config's {world}")
-        segments.append(Segment("attempts", None, start, attempt.end, attempt.end - start, unit, world * per_rank,
+        held_s = attempt.end - start
+        if held_s < 0:  # a clock set back between start and end, or a line edited by hand
+            notes.append(f"attempt {attempt.attempt}: ends {-held_s:.3f} s before it starts: counted as 0 s")
+            held_s = 0.0
+        segments.append(Segment("attempts", None, start, attempt.end, held_s, unit, world * per_rank,
                                 attempt.reason, attempt))
         previous_end = attempt.end
     return segments
@@ -234,6 +242,11 @@ def _measure(segment: Segment, own: list[MetricsRecord], resume: int, next_resum
     """Fill the segment's parts (wall seconds) and step counts from its attempt and its records."""
     wall, attempt = segment.wall, segment.attempt
     label = f"attempt {attempt.attempt}" if attempt is not None else f"job {segment.job_id} from {segment.start:.0f}"
+    if attempt is not None and attempt.end < (attempt.start if attempt.start is not None else segment.start):
+        # no record can be placed in a span that ends before it begins: nothing is measured in it
+        if segment.source == "sacct":  # (a local one was noted as counted 0 s)
+            notes.append(f"{label}: ends before it starts: its parts are not measured")
+        return
     reached, step_s, first_window = resume, None, None
     for record in own:
         if not isinstance(record, TrainRecord) or not record.step_time_s or record.step <= reached:

@@ -1,9 +1,9 @@
 """`python -m gpujobs.report RUN_DIR`: PNG plots of a run and a short text summary (torch-free).
 
 Reads metrics.jsonl, gpu.jsonl (when the run had GPU telemetry) and result.json; writes
-RUN_DIR/report/{loss,throughput,step_time}.png, gpu.png (GPU telemetry), shares.png (each rank's share of
-the global batch, when the run recorded split plans), checkpoints.png (when it recorded saves) and prints
-the summary.
+{loss,throughput,step_time}.png, gpu.png (GPU telemetry), shares.png (each rank's share of the global batch,
+when the run recorded split plans) and checkpoints.png (when it recorded saves) into RUN_DIR/report/, or
+into `--out DIR` (for a run dir this user may read but not write), and prints the summary.
 """
 
 from __future__ import annotations
@@ -12,11 +12,13 @@ import argparse
 import math
 import statistics
 import sys
+import tempfile
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any, Optional
 
 from gpujobs.atomic import read_jsonl
+from gpujobs.errors import GpujobsError
 from gpujobs.rundir import GPU_FILE, METRICS_FILE
 from gpujobs.rundir.records import (
     CheckpointRecord,
@@ -247,25 +249,52 @@ def _plot_shares(ax: Any, plans: list[PlanRecord], end: int, mode: Optional[str]
     ax.legend()
 
 
-def report(run_dir: Path) -> list[str]:
-    """Plot the run into RUN_DIR/report/ and return the summary lines."""
+def report(run_dir: Path, out: Optional[Path] = None) -> list[str]:
+    """Plot the run into `out` (RUN_DIR/report/ by default) and return the summary lines.
+
+    Raises GpujobsError (one line) for a RUN_DIR that is no run dir or whose files cannot be read, and
+    for an `out` the plots cannot be written into (a colleague's run dir: `--out` puts them elsewhere).
+    """
+    if not run_dir.is_dir():
+        what = "does not exist" if not run_dir.exists() else "is not a directory"
+        raise GpujobsError(f"{run_dir} {what}: RUN_DIR is a gpujobs run dir")
     metrics = read_metrics(run_dir)
     if not metrics:
-        raise FileNotFoundError(f"{run_dir / METRICS_FILE}: missing or empty (is this a gpujobs run dir?)")
+        raise GpujobsError(f"{run_dir / METRICS_FILE}: missing or empty (is this a gpujobs run dir?)")
     gpus = read_jsonl(run_dir / GPU_FILE)
     result = read_result(run_dir)
-    written = plot(metrics, gpus, run_dir / REPORT_DIR)
+    out = run_dir / REPORT_DIR if out is None else out
+    _check_writable(out)
+    written = plot(metrics, gpus, out)
     return [*summarize(metrics, gpus, result), "plots: " + ", ".join(str(p) for p in written)]
 
 
+def _check_writable(out: Path) -> None:
+    """Make `out` and write a file in it, before any plot is drawn: a folder this user may not write
+    (another user's run dir) or cannot make (a file in its way) is one line, not a traceback halfway."""
+    if out.exists() and not out.is_dir():
+        raise GpujobsError(f"cannot write the plots into {out}: a file is in the way; `--out DIR` writes them "
+                           "elsewhere")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as err:
+        raise GpujobsError(f"cannot write the plots into {out}: {err.strerror}; "
+                           "`--out DIR` writes them elsewhere") from None
+
+
 def main(argv: list[str] | None = None, prog: str = "python -m gpujobs.report") -> int:
-    """CLI entry: 0 on success, 2 when RUN_DIR holds no metrics."""
+    """CLI entry: 0 on success, 2 (one line) when RUN_DIR holds no metrics, cannot be read, or the plots
+    cannot be written."""
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("run_dir", type=Path)
+    parser.add_argument("--out", type=Path, metavar="DIR",
+                        help=f"write the plots into DIR (default: RUN_DIR/{REPORT_DIR}/)")
     args = parser.parse_args(argv)
     try:
-        lines = report(args.run_dir)
-    except FileNotFoundError as err:
+        lines = report(args.run_dir, args.out)
+    except GpujobsError as err:
         print(f"gpujobs: {err}", file=sys.stderr)
         return 2
     print("\n".join(lines))

@@ -172,6 +172,41 @@ def test_no_sacct_for_a_slurm_point_is_one_line_and_exit_1(tmp_path: Path) -> No
     assert line.startswith("gpujobs: sacct could not run:"), line
 
 
+def test_a_ledger_with_a_backward_span_and_wrongly_typed_lines_still_counts_the_rest(tmp_path: Path) -> None:
+    """Lines edited by hand or by another tool: an attempt that ends before it starts counts 0 s, with a
+    note; a line whose fields have the wrong types is skipped as unreadable (as a torn line is), with a
+    note, so `cost` and `status` still say what the other lines hold."""
+    run_dir = tmp_path / "run"
+    job = compose_job("+experiment=rec", "+debug=tiny", "cluster=local")
+    write_config(run_dir, job)
+    good = {"attempt": 2, "reason": "completed", "requeue": False, "why": "completed", "start": 1000.0,
+            "end": 1100.0, "world_size": 2, "steps_done": 5, "trained_from": 1040.0}
+    lines = [{**good, "attempt": 1, "reason": "failed", "requeue": True, "start": 500.0, "end": 400.0},  # backward
+             good, {**good, "attempt": 3, "end": "2000"}, {**good, "attempt": 4, "end": None},
+             {**good, "attempt": 5, "world_size": "2"}]
+    (run_dir / "attempts.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    train = {"kind": "train", "loss": 0.5, "samples_per_s": 10.0}
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in [
+        {**train, "step": 5, "time": 1050.0, "step_time_s": [2.0, 2.0]},
+        {**train, "step": "6", "time": 1060.0, "step_time_s": [2.0]}, {**train, "step": 7, "time": 1070.0,
+                                                                        "step_time_s": ["2.0"]}]))
+    (point,) = cost_json(str(run_dir))["points"]
+    units = 2 * job.resources.cpus_per_task  # 2 CPU ranks
+    assert point["seconds"] == 100.0 * units  # attempt 2 only
+    backward, counted = point["segments"]
+    assert (backward["attempt"], backward["seconds"], set(backward["parts"].values())) == (1, 0, {0})
+    # attempt 2's one readable window: 5 steps at rank 0's 2 s
+    assert counted["attempt"] == 2 and counted["steps"] == {"counted": 5, "redone": 0}
+    assert counted["parts"]["training"] == 5 * 2.0 * units
+    assert point["notes"] == ["attempts.jsonl: 3 lines are no attempt (a field missing or of the wrong type): "
+                              "not counted", "attempt 1: ends 100.000 s before it starts: counted as 0 s"]
+    table = gpujobs_cost(str(run_dir))
+    assert table.returncode == 0 and "counted as 0 s" in table.stdout, table.stdout + table.stderr
+    status = subprocess.run([sys.executable, "-m", "gpujobs", "status", str(run_dir)], capture_output=True,
+                            text=True, timeout=60, env={**os.environ, "COLUMNS": "200"})
+    assert status.returncode == 0 and "2 (completed)" in status.stdout, status.stdout + status.stderr
+
+
 def test_sacct_allocations_and_their_tres() -> None:
     # lines as this project's test cluster writes them (SLURM_TIME_FORMAT=%s), with a typed GPU TRES added
     text = (

@@ -4,6 +4,7 @@ run's records (split plans, checkpoint blocking times) as the trainer writes the
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -20,8 +21,8 @@ from gpujobs.rundir.records import CheckpointRecord, PlanRecord, TrainRecord, re
 TINY = ("+experiment=rec", "+debug=tiny", "cluster=local")
 
 
-def report(run_dir: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "gpujobs.report", str(run_dir)], cwd=REPO,
+def report(run_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "gpujobs.report", str(run_dir), *args], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
 
 
@@ -151,3 +152,33 @@ def test_plan_history_keeps_the_plans_of_the_steps_a_resumed_attempt_redid() -> 
     second = [plan(10, 0.6, "resume"), plan(20, 0.68, "update"), plan(30, 0.72, "update")]
     assert [(p.step, p.shares[0], p.reason) for p in plan_history(first + second)] == [
         (0, 0.5, "start"), (10, 0.6, "resume"), (20, 0.68, "update"), (30, 0.72, "update")]
+
+
+def test_report_where_the_plots_cannot_go_is_one_line_and_exit_2_and_out_puts_them_elsewhere(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    balanced_run_dir(run_dir)
+    (run_dir / "report").write_text("")  # a file where the plots' folder goes
+    blocked = [(run_dir, run_dir / "report", "a file is in the way"),
+               (run_dir, run_dir / "report" / "deeper", "Not a directory")]
+    if os.geteuid() != 0:  # a colleague's run dir: readable, not writable (chmod does not stop root)
+        theirs = tmp_path / "theirs"
+        balanced_run_dir(theirs)
+        theirs.chmod(0o555)
+        blocked.append((theirs, theirs / "report", "Permission denied"))
+    for source, out, why in blocked:
+        proc = report(source) if out.parent == source else report(source, "--out", str(out))
+        assert proc.returncode == 2 and proc.stdout == "", proc.stdout + proc.stderr
+        (line,) = proc.stderr.splitlines()
+        assert line.startswith(f"gpujobs: cannot write the plots into {out}: {why}") and "--out DIR" in line, line
+    proc = report(run_dir, "--out", str(tmp_path / "plots"))
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "plots" / "loss.png").read_bytes().startswith(b"\x89PNG")
+    assert f"plots: {tmp_path / 'plots' / 'loss.png'}" in proc.stdout
+
+
+def test_report_of_a_file_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text("x: 1\n")
+    proc = report(path)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout + proc.stderr
+    assert proc.stderr.splitlines() == [f"gpujobs: {path} is not a directory: RUN_DIR is a gpujobs run dir"]

@@ -42,7 +42,7 @@ from typing import Any, Optional
 
 from gpujobs.atomic import fsync_batch, write_json_atomic, write_text_atomic
 from gpujobs.config import JobConfig
-from gpujobs.errors import ConfigError, SubmitError
+from gpujobs.errors import ConfigError, GpujobsError, SubmitError
 from gpujobs.launch import check_start, preflight
 from gpujobs.rundir import CONFIG_FILE, SBATCH_FILE
 from gpujobs.rundir.files import discard_if_empty, write_config
@@ -128,10 +128,15 @@ def active_plan() -> Optional[SweepPlan]:
 
 @contextlib.contextmanager
 def collecting(sweep_dir: Path) -> Iterator[SweepPlan]:
-    """Make a plan active while the launcher runs the points' task functions."""
+    """Make a plan active while the launcher runs the points' task functions.
+
+    A sweep dir whose sweep.json is damaged is refused first (GpujobsError), before any point's run dir
+    is made: the sweep would add its points to that file once they are planned.
+    """
     global _active
     if _active is not None:
         raise RuntimeError("a gpujobs sweep is already being planned in this process")
+    read_sweep_file(sweep_dir)
     _active = SweepPlan(sweep_dir)
     try:
         yield _active
@@ -180,9 +185,48 @@ def _unlist(sweep_dir: Path, nums: set[int]) -> None:
 
 
 def read_sweep_file(sweep_dir: Path) -> list[dict[str, Any]]:
-    """The points `sweep.json` lists (empty when there is none)."""
+    """The points `sweep.json` lists (empty when there is none), each {"num", "overrides", "run_dir"}.
+
+    It is written whole (atomically), so anything else in it (not JSON, another shape, an unreadable
+    file) was made by hand or by another tool: a GpujobsError naming the file, never a guess.
+    """
     path = sweep_dir / SWEEP_FILE
-    return list(json.loads(path.read_text())["points"]) if path.exists() else []
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return []
+    except OSError as err:  # a directory in its place, no permission
+        raise GpujobsError(f"{path} cannot be read: {err.strerror}") from None
+    try:
+        document = json.loads(data)
+    except ValueError as err:  # not JSON, or not UTF-8
+        raise GpujobsError(f"{path} is damaged: not JSON ({err})") from None
+    points = document.get("points") if isinstance(document, dict) else None
+    if not isinstance(points, list):
+        found = (f"it is {_shape(document)}" if not isinstance(document, dict) else
+                 'it has no "points"' if "points" not in document else f'"points" is {_shape(points)}')
+        raise GpujobsError(f'{path} is damaged: expected {{"points": [...]}}, {found}')
+    for at, entry in enumerate(points):
+        if not _is_entry(entry):
+            raise GpujobsError(f'{path} is damaged: point {at} is not {{"num": int, "overrides": [str...], '
+                               f'"run_dir": str}}: {json.dumps(entry)[:80]}')
+    return list(points)
+
+
+def _is_entry(entry: Any) -> bool:
+    """One point as `write_sweep_file` writes it."""
+    if not isinstance(entry, dict):
+        return False
+    num, overrides, run_dir = entry.get("num"), entry.get("overrides"), entry.get("run_dir")
+    return (isinstance(num, int) and not isinstance(num, bool) and isinstance(run_dir, str) and bool(run_dir)
+            and isinstance(overrides, list) and all(isinstance(o, str) for o in overrides))
+
+
+def _shape(value: Any) -> str:
+    """What a JSON value is, in a word (for the error line)."""
+    if value is None:
+        return "null"
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean"}.get(type(value), "a number")
 
 
 def array_executor(points: list[Point], folder: Path) -> tuple[Any, Path]:

@@ -10,11 +10,13 @@ from pathlib import Path
 from typing import Any, Optional
 
 import yaml
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf._utils import get_omega_conf_dumper
+from omegaconf.errors import OmegaConfBaseException
 
 from gpujobs.atomic import FsyncBatch, append_jsonl, read_jsonl, write_text_atomic
 from gpujobs.config import JobConfig, load_config
+from gpujobs.errors import ConfigError, GpujobsError
 from gpujobs.rundir import CONFIG_FILE, SUBMISSIONS_FILE
 
 
@@ -69,8 +71,35 @@ def write_config(run_dir: Path, job: JobConfig, batch: Optional[FsyncBatch] = No
 
 
 def read_config(run_dir: Path) -> JobConfig:
-    """The validated config that `write_config` saved in `run_dir`."""
-    return load_config(OmegaConf.load(run_dir / CONFIG_FILE))  # type: ignore[arg-type]
+    """The validated config that `write_config` saved in `run_dir`.
+
+    It was written whole (atomically) and validated, so a file that cannot be read, is no YAML mapping,
+    is empty or no longer validates was made or changed by hand (or by another gpujobs version): a
+    GpujobsError naming the file says which, one line, instead of a traceback or a bare key error.
+    """
+    path = run_dir / CONFIG_FILE
+    try:
+        values = OmegaConf.load(path)
+    except OSError as err:  # missing, a directory in its place, no permission
+        raise GpujobsError(f"{path} cannot be read: {err.strerror}") from None
+    except (yaml.YAMLError, ValueError, OmegaConfBaseException) as err:  # ValueError: not UTF-8
+        raise GpujobsError(f"{path} is damaged: not YAML ({_first_problem(err)})") from None
+    if not isinstance(values, DictConfig):
+        raise GpujobsError(f"{path} is damaged: a YAML list, not the mapping of a config")
+    if not values:
+        raise GpujobsError(f"{path} is damaged: it is empty")
+    try:
+        return load_config(values)
+    except ConfigError as err:
+        raise GpujobsError(f"{path} is not a config this gpujobs can run: {err}") from None
+
+
+def _first_problem(err: Exception) -> str:
+    """A YAML error in one line: what is wrong, and where."""
+    if isinstance(err, yaml.MarkedYAMLError) and err.problem_mark is not None:
+        mark = err.problem_mark
+        return f"{err.problem} at line {mark.line + 1}, column {mark.column + 1}"
+    return str(err).splitlines()[0] if str(err) else type(err).__name__
 
 
 def discard_if_empty(run_dir: Path) -> None:

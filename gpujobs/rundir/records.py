@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -29,6 +32,45 @@ NODE_FAULTS = ("hung", "unhealthy")
 def _known(cls: type[Any], values: dict[str, Any]) -> dict[str, Any]:
     names = {f.name for f in dataclasses.fields(cls)}
     return {key: value for key, value in values.items() if key in names}
+
+
+_HINTS: dict[type[Any], dict[str, Any]] = {}
+
+
+def _hints(cls: type[Any]) -> dict[str, Any]:
+    """The fields' declared types, resolved once per class (the annotations are strings here)."""
+    if cls not in _HINTS:
+        _HINTS[cls] = typing.get_type_hints(cls)
+    return _HINTS[cls]
+
+
+def _fits(value: Any, hint: Any) -> bool:
+    """Whether a JSON value is of the type a field declares: an int is a float too, a bool is no
+    number, a float is finite; a list's items are checked, a dict's are not."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (Union, types.UnionType):
+        return any(_fits(value, arg) for arg in args)
+    if hint is Any:
+        return True
+    if hint is type(None):
+        return value is None
+    if origin is list:
+        return isinstance(value, list) and all(_fits(item, args[0]) for item in value)
+    if origin is dict:
+        return isinstance(value, dict)
+    if hint in (int, float) and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        return False
+    if hint is float:
+        return math.isfinite(value)
+    return isinstance(value, hint)
+
+
+def _typed(cls: type[Any], values: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """The fields of `cls` among `values`, or None when one has another type than its field declares
+    (`"end": "2000"`, `"world_size": null`): such a line is as unreadable as a torn one, and the readers
+    skip it instead of failing on its arithmetic."""
+    known, hints = _known(cls, values), _hints(cls)
+    return known if all(_fits(value, hints[key]) for key, value in known.items()) else None
 
 
 @dataclass(frozen=True)
@@ -90,9 +132,13 @@ class Attempt:
 
     @classmethod
     def from_json(cls, line: dict[str, Any]) -> Optional[Attempt]:
-        """The attempt a line of attempts.jsonl holds, or None for a line that is not one."""
+        """The attempt a line of attempts.jsonl holds, or None for a line that is not one (a field
+        missing or of the wrong type, an unknown reason)."""
+        fields = _typed(cls, line)
+        if fields is None:
+            return None
         try:
-            attempt = cls(**_known(cls, line))
+            attempt = cls(**fields)
         except TypeError:  # a required field missing
             return None
         return attempt if attempt.reason in REASONS else None
@@ -104,8 +150,15 @@ class Attempt:
 
 def read_attempts(run_dir: Path) -> list[Attempt]:
     """Every attempt of the run dir, oldest first."""
-    lines = (Attempt.from_json(line) for line in read_jsonl(run_dir / ATTEMPTS_FILE))
-    return [line for line in lines if line is not None]
+    return read_ledger(run_dir)[0]
+
+
+def read_ledger(run_dir: Path) -> tuple[list[Attempt], int]:
+    """Every attempt of the run dir, oldest first, and how many of its complete lines hold a JSON object
+    that is no attempt (a field missing or of the wrong type): skipped, for `cost` to say so."""
+    lines = [Attempt.from_json(line) for line in read_jsonl(run_dir / ATTEMPTS_FILE)]
+    attempts = [line for line in lines if line is not None]
+    return attempts, len(lines) - len(attempts)
 
 
 @dataclass(frozen=True)
@@ -283,7 +336,8 @@ def metrics_record(line: dict[str, Any]) -> Optional[MetricsRecord]:
             }
             return EvalRecord(step=int(line["step"]), metrics=metrics, time=float(line.get("time", 0.0)))
         if line.get("kind") == "train":
-            return TrainRecord(**_known(TrainRecord, line))
+            fields = _typed(TrainRecord, line)
+            return TrainRecord(**fields) if fields is not None else None
         if line.get("kind") == "plan":
             plan = PlanRecord(**_known(PlanRecord, line))
             # the shares are drawn as numbers: a line that holds anything else is not a plan
