@@ -21,7 +21,7 @@ from typing import Any, Optional
 from gpujobs.errors import ConfigError
 from gpujobs.nccl import NcclSettings
 from gpujobs.schema_cluster import CLUSTERS as CLUSTERS
-from gpujobs.schema_cluster import NAME, NAME_TEXT, ClusterConfig, ResourcesConfig
+from gpujobs.schema_cluster import DIR_NAME, DIR_NAME_TEXT, ClusterConfig, ResourcesConfig
 from gpujobs.schema_cluster import SLURM_LIMIT_CHECK_S as SLURM_LIMIT_CHECK_S
 from gpujobs.schema_cluster import SLURM_MAX_SIGNAL_LEAD_S as SLURM_MAX_SIGNAL_LEAD_S
 from gpujobs.schema_cluster import parse_time_minutes as parse_time_minutes
@@ -46,6 +46,10 @@ SCHEDULES = ("constant", "cosine", "linear")
 OPTIMIZERS = ("adam", "adamw", "sgd")
 AMP_MODES = ("auto", "bf16", "off")
 BALANCE_MODES = ("off", "static", "dynamic", "replay")
+#: The largest relative weight of a rank or a GPU model in static balancing: the plan divides by the sum
+#: of the weights, which must stay finite (two weights of 1e308 add up to inf); a million to one is
+#: already more imbalance than any split of a batch can show.
+MAX_BALANCE_WEIGHT = 10**6
 
 
 @dataclass
@@ -108,7 +112,9 @@ class TrainerConfig(Checked):
     """How each step's global batch is split across ranks: off (equal shares) | static (balance_shares or
     balance_gpu_weights) | dynamic (shares follow each rank's measured compute time per sample) | replay
     (the plan history of the finished dynamic run in balance_replay)."""
-    balance_shares: Optional[list[float]] = field(default=None, metadata=bounds(gt=0, min_len=1))
+    balance_shares: Optional[list[float]] = field(
+        default=None, metadata=bounds(gt=0, le=MAX_BALANCE_WEIGHT, min_len=1, note="their sum must stay finite")
+    )
     """static: one relative weight per rank (normalized; as many as ranks)."""
     balance_gpu_weights: dict[str, float] = field(default_factory=dict)
     """static, mixed nodes: relative weight per GPU model name as CUDA reports it (`cpu` for CPU ranks)."""
@@ -121,7 +127,8 @@ class TrainerConfig(Checked):
     balance_min_share: float = field(default=0.02, metadata=bounds(gt=0, lt=1))
     """dynamic and static: no rank's share falls below this (times the equal share 1/world)."""
     balance_replay: Optional[str] = None
-    """replay: the run dir of a finished dynamic run whose recorded plan history is replayed."""
+    """replay: the run dir of a finished dynamic run whose recorded plan history is replayed (made absolute
+    at submit, where it must hold a checkpoint with that history)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -141,11 +148,13 @@ class TrainerConfig(Checked):
                 raise ConfigError(name, value, allowed)
         if self.balance == "replay" and not self.balance_replay:
             raise ConfigError("balance_replay", self.balance_replay, "the run dir of a finished dynamic run")
+        if self.balance_replay:  # the ranks may start in another directory
+            self.balance_replay = str(Path(self.balance_replay).expanduser().absolute())
         if self.balance == "static" and not self.balance_shares and not self.balance_gpu_weights:
             raise ConfigError("balance_shares", self.balance_shares, "one weight per rank (or balance_gpu_weights)")
         for name, weight in self.balance_gpu_weights.items():
-            if not (math.isfinite(weight) and weight > 0):
-                raise ConfigError(f"balance_gpu_weights.{name}", weight, "a finite weight > 0")
+            if not (math.isfinite(weight) and 0 < weight <= MAX_BALANCE_WEIGHT):
+                raise ConfigError(f"balance_gpu_weights.{name}", weight, f"a weight in (0, {MAX_BALANCE_WEIGHT}]")
 
 
 #: Config keys that are Python keywords, by section: the key users write -> the schema's field name.
@@ -269,8 +278,8 @@ PLUGINS = ("model", "data")
 class JobConfig(Checked):
     """A whole job: every section, validated."""
 
-    name: str = field(default="job", metadata=bounds(pattern=NAME, allowed=NAME_TEXT))
-    """Job name (Slurm job name, run-dir prefix)."""
+    name: str = field(default="job", metadata=bounds(pattern=DIR_NAME, allowed=DIR_NAME_TEXT))
+    """Job name (Slurm job name; a directory of the default run dir, `outputs/NAME/...`)."""
     task: str = field(
         default="jobs.rec.task:build_task", metadata=bounds(pattern=_TASK, allowed="module.path:function")
     )

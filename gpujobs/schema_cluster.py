@@ -15,6 +15,10 @@ from gpujobs.validate import Checked, bounds
 CLUSTERS = ("auto", "local", "debug", "slurm")
 NAME = re.compile(r"[A-Za-z0-9_.-]+")
 NAME_TEXT = "letters, digits and _.- (no spaces or shell characters)"
+#: A name that becomes one directory level (`cluster.folder`, `name` in the default run dir): `.` and `..`
+#: would put what goes under it in the run dir itself or in its parent.
+DIR_NAME = re.compile(r"(?!\.\.?\Z)[A-Za-z0-9_.-]+")
+DIR_NAME_TEXT = "letters, digits and _.- (no spaces or shell characters), but not . or .. (a directory name)"
 _NAME_LIST = re.compile(r"[A-Za-z0-9_.,\[\]-]+")
 _NAME_LIST_TEXT = "letters, digits and _.,[]- (no spaces or shell characters)"
 _TIME = re.compile(r"(?:(\d+)-)?(\d+)(?::(\d{1,2}))?(?::(\d{1,2}))?")
@@ -94,7 +98,7 @@ class ClusterConfig(Checked):
     """Health check: the size of the probe's all-reduce tensor, in MiB."""
     health_max_temp_c: float = field(default=90.0, metadata=bounds(gt=0, le=200))
     """Health check: the hottest a GPU may be at start (degrees C)."""
-    folder: str = field(default="submitit", metadata=bounds(pattern=NAME, allowed=NAME_TEXT))
+    folder: str = field(default="submitit", metadata=bounds(pattern=DIR_NAME, allowed=DIR_NAME_TEXT))
     """Sub-directory of the run dir for submitit's pickles and per-rank logs."""
     dry_run: bool = False
     """Slurm: print the exact sbatch script that would be queued, and write and queue nothing."""

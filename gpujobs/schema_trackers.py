@@ -61,7 +61,22 @@ class TensorBoardConfig(Checked):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.log_dir is not None:
-            self.log_dir = str(Path(self.log_dir).expanduser().absolute())
+            self.log_dir = _log_dir(self.log_dir)
+
+
+def _log_dir(text: str) -> str:
+    """`logger.tensorboard.log_dir` made absolute and checked: an existing directory this user may write, or a
+    path to one it may create (its nearest existing parent a directory it may write). Rank 0 would find out
+    only when it starts, and a tracker that fails never stops training: the run would end well with no events."""
+    path = Path(text).expanduser().absolute()
+    allowed = "a directory this user may write, or a path where it may create one"
+    existing = next(p for p in (path, *path.parents) if p.exists() or p.is_symlink())
+    if not existing.is_dir():
+        why = "it is not a directory" if existing == path else f"{existing} is not a directory"
+        raise ConfigError("log_dir", text, f"{allowed} ({why})")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError("log_dir", text, f"{allowed} ({existing} is not writable by this user)")
+    return str(path)
 
 
 @dataclass

@@ -1,12 +1,16 @@
 """Bad configs that once got past submit: each is refused there, in one line naming the key the user set.
 
-The global batch against the ranks and `trainer.grad_accum`, a balancing option its mode never reads, and
-a schema field missing from the composed config (so an override of it was an "unknown key").
+The global batch against the ranks and `trainer.grad_accum`, a balancing option its mode never reads, weights
+whose sum overflows, a replay of a run dir without a plan history, `.` or `..` as a directory name, and a
+schema field missing from the composed config (so an override of it was an "unknown key").
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +42,19 @@ CRITEO = ("+experiment=rec", "data=criteo", "data.train_path=/d/train.tsv", "dat
          "data.global_batch_size=1 is invalid: allowed a multiple of trainer.grad_accum=1 from 2"),
         (("trainer.balance_shares=[3,1]",),
          "trainer.balance_shares=[3.0, 1.0] is invalid: allowed only with trainer.balance=static, which reads it"),
+        # each weight fits a float, their sum does not: the plan would divide by inf
+        (("trainer.balance=static", "trainer.balance_shares=[1e308,1e308]"),
+         "trainer.balance_shares=[1e+308, 1e+308] is invalid: allowed a list of at least 1 numbers, each in "
+         "(0, 1000000] (their sum must stay finite)"),
+        (("trainer.balance=static", "+trainer.balance_gpu_weights={cpu: 1e308}"),
+         "trainer.balance_gpu_weights.cpu=1e+308 is invalid: allowed a weight in (0, 1000000]"),
+        # the job would find out as it starts (on Slurm, after its time in the queue)
+        (("trainer.balance=replay", "trainer.balance_replay=/nonexistent"),
+         "trainer.balance_replay='/nonexistent' is invalid: allowed the run dir of a finished trainer.balance=dynamic "
+         "run (it holds no checkpoint with a plan history)"),
+        # submitit's pickles and logs would land in the run dir itself, or in its parent
+        *((("cluster.folder=" + name,), f"cluster.folder='{name}' is invalid: allowed letters, digits and _.- (no "
+           "spaces or shell characters), but not . or ..") for name in ("..", ".")),
     ],
 )
 def test_refused_at_submit_in_one_line_with_nothing_started_or_written(
@@ -109,6 +126,34 @@ def test_a_balancing_option_is_refused_where_its_mode_does_not_read_it(override:
         compose_job("+experiment=rec", f"trainer.balance={mode}", override.strip("'"))
     assert info.value.key == key
     assert info.value.allowed.startswith(f"only with trainer.balance={reader}")
+
+
+def test_a_replay_of_a_run_dir_whose_checkpoint_records_no_plan_history_is_refused_at_submit(tmp_path: Path) -> None:
+    step = tmp_path / "off" / "checkpoints" / "step_00000010"  # a run trained with trainer.balance=off
+    step.mkdir(parents=True)
+    (step / "COMPLETE").write_text(json.dumps({"step": 10, "balance": {"mode": "off", "history": []}}))
+    run_dir = tmp_path / "replay"
+    proc = submit(run_dir, *TINY, "trainer.balance=replay", f"trainer.balance_replay={tmp_path / 'off'}")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.endswith("(its newest checkpoint step_00000010 records no plan history (was it trained with "
+                         "trainer.balance=dynamic?))"), line
+    assert not run_dir.exists()
+
+
+@pytest.mark.parametrize("name", ["..", "."])
+def test_a_name_that_is_no_directory_name_is_refused_before_the_default_run_dir_takes_it(
+    tmp_path: Path, name: str
+) -> None:
+    """The default run dir is outputs/NAME/<time>: `name=..` would put it beside outputs/, not under it."""
+    cmd = [sys.executable, "-m", "gpujobs.submit", *TINY, f"name={name}"]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith(f"gpujobs: config error: name='{name}' is invalid: allowed letters, digits and _.- (no "
+                           "spaces or shell characters), but not . or .."), line
+    # Hydra made the run dir (and outputs/ on its way) before the config was read: what is left is outputs/, empty
+    assert [str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")] == ["outputs"]
 
 
 def test_sgd_momentum_is_a_key_of_the_composed_config() -> None:

@@ -173,6 +173,40 @@ def test_a_tracker_that_is_not_installed_is_refused_at_submit(tmp_path: Path) ->
                     "installed: `pip install 'gpujobs[tensorboard]'` (tensorboard not found in this Python)")
 
 
+@pytest.mark.parametrize("below", ["", "sub/dir"])
+def test_a_tensorboard_log_dir_that_cannot_be_a_directory_is_refused_at_submit(tmp_path: Path, below: str) -> None:
+    """Rank 0 would fail to make it, log one warning, and train on: a run that ends well with no events."""
+    taken = tmp_path / "events"
+    taken.write_text("a file, not a directory\n")
+    run_dir, log_dir = tmp_path / "run", taken / below if below else taken
+    proc = submit(run_dir, "+experiment=rec", "+debug=tiny", "cluster=local", "logger=tensorboard",
+                  f"logger.tensorboard.log_dir={log_dir}")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    why = "it is not a directory" if not below else f"{taken} is not a directory"
+    assert line == (f"gpujobs: config error: logger.tensorboard.log_dir='{log_dir}' is invalid: allowed a directory "
+                    f"this user may write, or a path where it may create one ({why})")
+    assert not run_dir.exists() and [p.name for p in tmp_path.iterdir()] == ["events"]
+
+
+def test_a_sweep_whose_tracking_server_is_down_is_refused_in_seconds(tmp_path: Path) -> None:
+    """MLflow's own HTTP retries (7, with backoff) held the submit for about 4 minutes; a user's settings of them
+    still hold (here 3 retries, no backoff)."""
+    uri = f"http://127.0.0.1:{_free_port()}"  # bound, then let go: nothing listens there
+    sweep_dir = tmp_path / "sweep"
+    cmd = [sys.executable, "-m", "gpujobs.submit", "-m", f"hydra.sweep.dir={sweep_dir}", "+experiment=rec",
+           "+debug=tiny", "cluster=local", "logger=mlflow", f"logger.mlflow.tracking_uri={uri}", "optim.lr=0.01,0.02"]
+    users = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "3", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "0"}
+    for env, retries in (({}, 1), (users, 3)):
+        unset = {name: value for name, value in os.environ.items() if not name.startswith("MLFLOW_HTTP_")}
+        proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=60, env={**unset, **env})
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        (line,) = proc.stderr.strip().splitlines()
+        assert line.startswith(f"gpujobs: MLflow at {uri} could not take the sweep's runs: "), line
+        assert (proc.stdout + proc.stderr).count("Retrying (") == retries, proc.stdout
+        assert list(tmp_path.iterdir()) == []  # no sweep dir, no run dir
+
+
 # ---------------------------------------------------------------- the trackers across attempts
 
 

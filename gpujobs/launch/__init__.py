@@ -69,7 +69,23 @@ def preflight(job: JobConfig, cache: Optional[dict[Any, Any]] = None) -> None:
     if job.cluster.dry_run and job.cluster.name != "slurm":
         raise ConfigError("cluster.dry_run", True, "false unless cluster=slurm (a dry run prints the sbatch script)")
     job.logger.check_installed()  # a tracker's package is missing: refused here, not on the job side
+    _check_replay(job)
     _preflight_cluster(job, cache)
+
+
+def _check_replay(job: JobConfig) -> None:
+    """`trainer.balance=replay`: its run dir must hold a plan history now, not only when the job (maybe after
+    hours in a queue) starts and reads it the same way."""
+    from gpujobs.rundir.resume import NoPlanHistory, plan_history
+
+    replay = job.trainer.balance_replay
+    if job.trainer.balance != "replay" or not replay:
+        return
+    try:
+        plan_history(Path(replay))
+    except NoPlanHistory as err:
+        raise ConfigError("trainer.balance_replay", replay, f"the run dir of a finished trainer.balance=dynamic "
+                          f"run ({err})") from None
 
 
 def check_start(job: JobConfig, run_dir: Path, key: str = "hydra.run.dir") -> None:

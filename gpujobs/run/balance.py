@@ -25,7 +25,7 @@ from typing import Any, Optional
 
 from gpujobs.config import TrainerConfig
 from gpujobs.errors import GpujobsError
-from gpujobs.rundir.resume import newest_marker
+from gpujobs.rundir.resume import NoPlanHistory, plan_history
 
 log = logging.getLogger(__name__)
 
@@ -227,12 +227,9 @@ class Balancer:
 
 
 def replay_history(run_dir: str) -> list[dict[str, Any]]:
-    """The plan history of the finished dynamic run in `run_dir`, from its newest checkpoint's marker."""
-    found = newest_marker(Path(run_dir))
-    if found is None:
-        raise BalanceError(f"trainer.balance_replay={run_dir!r} holds no checkpoint with a plan history")
-    path, marker = found
-    balance = marker.get("balance")
-    if not isinstance(balance, dict) or not balance.get("history"):
-        raise BalanceError(f"{path} records no plan history (was it trained with trainer.balance=dynamic?)")
-    return [entry for entry in balance["history"] if isinstance(entry, dict) and "counts" in entry and "step" in entry]
+    """The plan history of the finished dynamic run in `run_dir` (`gpujobs.rundir.resume.plan_history`, which the
+    submit side has checked already: the run dir may have changed since)."""
+    try:
+        return plan_history(Path(run_dir))
+    except NoPlanHistory as err:
+        raise BalanceError(f"trainer.balance_replay={run_dir!r} cannot be replayed: {err}") from None

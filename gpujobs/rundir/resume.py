@@ -121,6 +121,29 @@ def newest_marker(run_dir: Path) -> Optional[tuple[Path, dict[str, Any]]]:
     return None
 
 
+class NoPlanHistory(GpujobsError):
+    """`trainer.balance_replay` names a run dir whose checkpoints record no split-plan history to replay."""
+
+
+def plan_history(run_dir: Path) -> list[dict[str, Any]]:
+    """The split-plan history that the finished `trainer.balance=dynamic` run in `run_dir` recorded in its newest
+    checkpoint's marker: what `trainer.balance=replay` follows, read here without torch so that the submit side
+    refuses a run dir without one before anything is queued (`NoPlanHistory`, saying why), and the job side
+    reads it the same way."""
+    found = newest_marker(run_dir)
+    if found is None:
+        raise NoPlanHistory("it holds no checkpoint with a plan history")
+    path, marker = found
+    balance = marker.get("balance")
+    history = balance.get("history") if isinstance(balance, dict) else None
+    entries = [entry for entry in history if isinstance(entry, dict) and "counts" in entry and "step" in entry] if (
+        isinstance(history, list)) else []
+    if not entries:
+        raise NoPlanHistory(f"its newest checkpoint {path.name} records no plan history (was it trained with "
+                            "trainer.balance=dynamic?)")
+    return entries
+
+
 def check_run_dir(job: JobConfig, run_dir: Path) -> None:
     """Submit side: refuse a start that would resume another run, or throw a run's checkpoints away."""
     found = newest_marker(run_dir)

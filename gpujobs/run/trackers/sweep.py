@@ -11,8 +11,10 @@ sweep dir, with its hparams (`tensorboard --logdir SWEEP_DIR`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Sequence
+import os
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,26 @@ from gpujobs.run.trackers.series import clean_name
 from gpujobs.rundir.trackers import MlflowRun, TrackerState, read_state, write_state
 
 log = logging.getLogger(__name__)
+
+#: MLflow's HTTP settings while the submit side makes the sweep's runs, where the user set neither: one retry
+#: and 5 s a request, so a tracking server that is down or mistyped is refused in seconds, not after MLflow's
+#: default 7 retries with backoff (about 4 minutes). The job side keeps MLflow's defaults: its tracker waits in
+#: a thread of its own (`gpujobs.run.trackers`), never holding a rank or a user at a prompt.
+SUBMIT_HTTP_ENV = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"}
+
+
+@contextlib.contextmanager
+def _bounded_requests() -> Iterator[None]:
+    """`SUBMIT_HTTP_ENV` for the requests made within (MLflow reads both variables at each request), then the
+    environment as it was, so a local point's job, started afterwards, inherits none of it."""
+    unset = [name for name in SUBMIT_HTTP_ENV if name not in os.environ]
+    os.environ.update({name: SUBMIT_HTTP_ENV[name] for name in unset})
+    try:
+        yield
+    finally:
+        for name in unset:
+            os.environ.pop(name, None)
+
 
 def override_params(overrides: Sequence[str]) -> dict[str, str]:
     """A point's overrides as params: key without Hydra's `+`/`++`/`~`, value as typed."""
@@ -63,11 +85,12 @@ class SweepRuns:
         runs = cls()
         for (uri, experiment), members in groups.items():
             try:
-                client = client_for(uri)
-                parent = _parent(client, uri, experiment, sweep_dir, members[0].job)
-                runs.parents.append((client, parent.run_id))
-                for point in members:
-                    _child(client, parent, point)
+                with _bounded_requests():
+                    client = client_for(uri)
+                    parent = _parent(client, uri, experiment, sweep_dir, members[0].job)
+                    runs.parents.append((client, parent.run_id))
+                    for point in members:
+                        _child(client, parent, point)
             except Exception as err:  # the store or the server refused: nothing is queued without its runs
                 runs.end(ok=False)
                 text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
@@ -79,7 +102,8 @@ class SweepRuns:
         """The submit side is done with the sweep."""
         for client, run_id in self.parents:
             try:
-                client.set_terminated(run_id, status="FINISHED" if ok else "FAILED")
+                with _bounded_requests():
+                    client.set_terminated(run_id, status="FINISHED" if ok else "FAILED")
             except Exception as err:  # the points are queued or done whatever the parent's status says
                 log.warning("MLflow: could not end the sweep run %s (%s: %s)", run_id, type(err).__name__, err)
 
