@@ -1,6 +1,6 @@
 """The experiment trackers' schemas (`logger=none|tensorboard|mlflow`): declared like every section
 of `gpujobs.schema`, which builds `JobConfig.logger` from them (torch-free, and the trackers' packages
-are never imported here: `LoggerConfig.check_installed` only looks for them)."""
+are never imported here: `LoggerConfig.check_here` only looks for them)."""
 
 from __future__ import annotations
 
@@ -61,22 +61,24 @@ class TensorBoardConfig(Checked):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.log_dir is not None:
-            self.log_dir = _log_dir(self.log_dir)
+            self.log_dir = str(Path(self.log_dir).expanduser().absolute())
 
-
-def _log_dir(text: str) -> str:
-    """`logger.tensorboard.log_dir` made absolute and checked: an existing directory this user may write, or a
-    path to one it may create (its nearest existing parent a directory it may write). Rank 0 would find out
-    only when it starts, and a tracker that fails never stops training: the run would end well with no events."""
-    path = Path(text).expanduser().absolute()
-    allowed = "a directory this user may write, or a path where it may create one"
-    existing = next(p for p in (path, *path.parents) if p.exists() or p.is_symlink())
-    if not existing.is_dir():
-        why = "it is not a directory" if existing == path else f"{existing} is not a directory"
-        raise ConfigError("log_dir", text, f"{allowed} ({why})")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError("log_dir", text, f"{allowed} ({existing} is not writable by this user)")
-    return str(path)
+    def check_writable(self) -> None:
+        """Submit side: the log dir is an existing directory this user may write, or a path to one it may create
+        (its nearest existing parent a directory it may write). Rank 0 would find out only when it starts, and a
+        tracker that fails never stops training: the run would end well with no events. (Not a check of the
+        schema: `status` or `cost` of a colleague's run dir reads its config without writing anything.)"""
+        if self.log_dir is None:
+            return
+        path = Path(self.log_dir)
+        allowed = "a directory this user may write, or a path where it may create one"
+        existing = next(p for p in (path, *path.parents) if p.exists() or p.is_symlink())
+        if not existing.is_dir():
+            why = "it is not a directory" if existing == path else f"{existing} is not a directory"
+            raise ConfigError("logger.tensorboard.log_dir", self.log_dir, f"{allowed} ({why})")
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise ConfigError("logger.tensorboard.log_dir", self.log_dir,
+                              f"{allowed} ({existing} is not writable by this user)")
 
 
 @dataclass
@@ -123,9 +125,11 @@ class LoggerConfig(Checked):
         """The trackers that are on, in `TRACKERS` order."""
         return [name for name in TRACKERS if getattr(self, name) is not None]
 
-    def check_installed(self) -> None:
+    def check_here(self) -> None:
         """Submit side: refuse a tracker whose package is not installed here (ConfigError, exit 2), without
-        importing it (`importlib.util.find_spec`)."""
+        importing it (`importlib.util.find_spec`), and a TensorBoard log dir that cannot be one."""
+        if self.tensorboard is not None:
+            self.tensorboard.check_writable()
         for name in self.selected:
             needed = [name]
             if name == "mlflow" and self.mlflow is not None and self.mlflow.tracking_uri is not None and (

@@ -29,7 +29,7 @@ from jobctl import RunningJob, attempts
 
 from gpujobs.config import MlflowConfig, TensorBoardConfig, load_config
 from gpujobs.errors import ConfigError
-from gpujobs.rundir.files import read_config
+from gpujobs.rundir.files import read_config, write_config
 from gpujobs.rundir.trackers import read_state
 from gpujobs.validate import declared
 
@@ -187,6 +187,19 @@ def test_a_tensorboard_log_dir_that_cannot_be_a_directory_is_refused_at_submit(t
     assert line == (f"gpujobs: config error: logger.tensorboard.log_dir='{log_dir}' is invalid: allowed a directory "
                     f"this user may write, or a path where it may create one ({why})")
     assert not run_dir.exists() and [p.name for p in tmp_path.iterdir()] == ["events"]
+
+
+def test_a_run_dir_whose_log_dir_is_gone_bad_since_is_still_read(tmp_path: Path) -> None:
+    """The log dir is checked where a job is submitted, not wherever its config is read: `status` of a run
+    whose log dir has since become a file (or a colleague's, not writable here) still reads it."""
+    log_dir = tmp_path / "events"
+    job = compose_job("+experiment=rec", "+debug=tiny", "logger=tensorboard", f"logger.tensorboard.log_dir={log_dir}")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    write_config(run_dir, job)
+    log_dir.write_text("a file now\n")
+    # what status, cost and resubmit read of a run dir
+    assert read_config(run_dir).logger.tensorboard.log_dir == str(log_dir)  # type: ignore[union-attr]
 
 
 def test_a_sweep_whose_tracking_server_is_down_is_refused_in_seconds(tmp_path: Path) -> None:

@@ -68,7 +68,7 @@ def preflight(job: JobConfig, cache: Optional[dict[Any, Any]] = None) -> None:
     """
     if job.cluster.dry_run and job.cluster.name != "slurm":
         raise ConfigError("cluster.dry_run", True, "false unless cluster=slurm (a dry run prints the sbatch script)")
-    job.logger.check_installed()  # a tracker's package is missing: refused here, not on the job side
+    job.logger.check_here()  # a tracker's package missing, a log dir that cannot be: refused here, not on the job side
     _check_replay(job)
     _preflight_cluster(job, cache)
 
