@@ -20,6 +20,8 @@ from jobctl import RunningJob, attempts
 
 from gpujobs.run.evidence import alive, descendants
 
+STOPPABLE = Path(__file__).parent / "scripts" / "stoppable.py"
+
 
 def _gone(pids: list[int], timeout: float = 30) -> bool:
     deadline = time.monotonic() + timeout
@@ -75,3 +77,22 @@ def test_the_ranks_of_a_launcher_killed_outright_end_with_it(tmp_path: Path) -> 
     first, completed = attempts(run_dir)
     assert first == interrupted and completed["reason"] == "completed" and read_result(run_dir)["steps"] == 60
     assert completed["resumed_from"] == interrupted["saved"], (interrupted, completed)
+
+
+def test_a_script_job_whose_launcher_is_killed_outright_is_recorded_interrupted(tmp_path: Path) -> None:
+    """A script's rank 0 has no trainer, but it records the attempt its launcher no longer can all the same."""
+    run_dir = tmp_path / "run"
+    job = RunningJob(run_dir, "cluster=local", "resources.procs_per_node=2", f"+script.path={STOPPABLE}",
+                     "+script.args=[400]")
+    deadline = time.monotonic() + 120
+    while not all((run_dir / f"progress_rank{rank}.json").exists() for rank in (0, 1)):
+        assert time.monotonic() < deadline and job.proc.poll() is None, job.output()
+        time.sleep(0.05)
+    ranks = list(job.local_rank_pids().values())
+    ranks += [pid for rank in ranks for pid in descendants(rank)]  # the scripts, too
+    os.kill(job.proc.pid, signal.SIGKILL)
+    assert _gone(ranks), [pid for pid in ranks if alive(pid)]
+    (interrupted,) = attempts(run_dir)
+    assert interrupted["reason"] == "interrupted" and interrupted["requeue"] is False, interrupted
+    assert f"its launcher (pid {job.proc.pid}) was gone" in interrupted["error"], interrupted
+    assert interrupted["world_size"] == 2 and interrupted["start"] < interrupted["end"], interrupted

@@ -176,11 +176,16 @@ class _Attempt:
         with the error that came first, its rank and node (and requeue, if its budget allows), unless
         its line is written already (result.json that cannot be written after the `completed` line, a
         requeue that failed after the line): one line per attempt."""
-        from gpujobs.run import failures
+        from gpujobs.run import failures, orphan
 
         message = str(err).strip().splitlines()
         error = f"{type(err).__name__}: {message[0] if message else ''}"
         info = self.info
+        launcher = orphan.gone_launcher()
+        if launcher is not None:  # it failed of its launcher's going (a peer ended with it): interrupted
+            log.error("failed as the local launcher is gone: %s", error)
+            orphan.say_last_words(launcher)
+            return
         blamed = failures.fail(Path(self.run_dir), info.rank, info.node, info.world_size, error)
         if blamed is None:  # not rank 0
             return

@@ -28,23 +28,53 @@ EXIT_ORPHANED = 1
 #: attempt there (the launcher that would have is gone), so the ledger keeps every attempt.
 last_words: list[Callable[[int], None]] = []
 
+_watched: Optional[tuple[int, Optional[str]]] = None
+_said = threading.Lock()
+_spoken = False
+
 
 def watch_launcher(pid: int, started: Optional[str], interval_s: float = 1.0) -> threading.Thread:
     """Start a daemon thread that ends this process (and its descendants) once launcher `pid`, started
     at `started` (`process_start`), is gone, after `last_words`; returns the thread."""
+    global _watched
+    _watched = (pid, started)
 
     def watch() -> None:
-        while alive(pid) and process_start(pid) == started:
+        while gone_launcher() is None:
             time.sleep(interval_s)
         log.error("gpujobs: the local launcher (pid %d) is gone: this rank ends with it", pid)
-        for say in last_words:
-            try:
-                say(pid)
-            except Exception as err:  # best effort: the rank ends all the same
-                log.error("gpujobs: could not record the attempt: %s", err)
+        say_last_words(pid)
         kill_tree(descendants(os.getpid()), grace_s=2.0)
         os._exit(EXIT_ORPHANED)
 
     thread = threading.Thread(target=watch, name="gpujobs-launcher-watch", daemon=True)
     thread.start()
     return thread
+
+
+def gone_launcher() -> Optional[int]:
+    """The pid of the launcher this rank watches, when it is gone now; None while it lives (or where
+    none is watched: a Slurm rank).
+
+    A rank that fails asks first: its peers end with the launcher, one watcher's second apart, and a
+    rank that fails of that (a collective whose peer went, a script killed) is no failure of its own.
+    """
+    if _watched is None:
+        return None
+    pid, started = _watched
+    return None if alive(pid) and process_start(pid) == started else pid
+
+
+def say_last_words(pid: int) -> None:
+    """Run `last_words` for the going of launcher `pid`, once per process (the watcher and a rank that
+    fails of the launcher's going may both come here)."""
+    global _spoken
+    with _said:
+        if _spoken:
+            return
+        _spoken = True
+        for say in last_words:
+            try:
+                say(pid)
+            except Exception as err:  # best effort: the rank ends all the same
+                log.error("gpujobs: could not record the attempt: %s", err)
