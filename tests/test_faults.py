@@ -189,3 +189,21 @@ def test_a_result_that_cannot_be_written_leaves_the_completed_line_alone(tmp_pat
     (line,) = attempts(run_dir)
     assert line["reason"] == "completed" and line["steps_done"] == 20, line
     assert "job ended: completed" in proc.stdout, proc.stdout
+
+
+def test_a_failed_attempt_names_the_newest_background_save_it_took(tmp_path: Path) -> None:
+    """Saves every step in the background; rank 1 is killed. Rank 0's `failed` line says which checkpoint
+    it saved last: the newest one published, or the one before it where that one was still in flight."""
+    run_dir = tmp_path / "run"
+    job = RunningJob(run_dir, "+experiment=rec", "+debug=tiny", "cluster=local", "model.embedding_dim=256",
+                     "trainer.max_steps=400", "checkpoint.every_steps=1", "checkpoint.keep=3", "checkpoint.async=true",
+                     "trainer.eval_every=0", "cluster.max_restarts=0")
+    job.wait_for_step(30)
+    os.kill(job.local_rank_pids()[1], signal.SIGKILL)
+    assert job.wait(timeout=120) == 1, job.output()
+    (line,) = attempts(run_dir)
+    assert line["reason"] == "failed" and line["recorded_by"] == "rank 0", line
+    published = sorted(int(p.name.split("_")[1]) for p in (run_dir / "checkpoints").glob("step_*")
+                       if (p / "COMPLETE").exists())
+    saved = int(Path(line["saved"]).name.split("_")[1])
+    assert saved in published and published[-1] - saved <= 1, (saved, published)

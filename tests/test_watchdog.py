@@ -124,12 +124,41 @@ def test_files_of_an_earlier_attempt_are_not_this_attempts(tmp_path: Path, ranks
     assert watcher.ranks == {}
 
 
-def test_a_finished_rank_ends_the_watch(tmp_path: Path, ranks: Ranks) -> None:
+def test_an_attempt_whose_ranks_all_ended_is_no_hang(tmp_path: Path, ranks: Ranks) -> None:
     clock = Clock()
     watcher = watch(tmp_path, clock)
+    ranks.set(1, 7, "compute")
     ranks.beats[0].close()  # writes phase "done"
     assert read_heartbeat(heartbeat_path(tmp_path, 0))["phase"] == "done"  # type: ignore[index]
-    assert advance(watcher, clock, ranks, SLOW_S * 2, 1) is None
+    assert advance(watcher, clock, ranks, 2, 1) is None  # rank 1 is a moment from done
+    ranks.beats[1].close()
+    assert advance(watcher, clock, ranks, SLOW_S * 2) is None
+
+
+def test_a_rank_that_stopped_running_after_a_peer_ended_is_hung_at_once(tmp_path: Path, ranks: Ranks) -> None:
+    """Rank 1 is stopped in a save; rank 0 fails of it (its collective times out) and ends. Nothing waits on
+    rank 1 any more, and the slow phase's limit would hold the attempt for SLOW_S: it is hung within seconds."""
+    clock = Clock()
+    watcher = watch(tmp_path, clock)
+    ranks.set(0, 30, "checkpoint")
+    ranks.set(1, 30, "checkpoint")
+    advance(watcher, clock, ranks, 2, 0, 1)
+    assert advance(watcher, clock, ranks, SLOW_S - 10, 0) is None  # rank 1's heartbeat stopped: a long save
+    ranks.beats[0].close()
+    hang = advance(watcher, clock, ranks, watcher.stall_s + 2)
+    assert hang is not None and hang.culprit == 1 and hang.limit_s == watcher.stall_s, hang
+    assert "stopped running" in hang.why and "ranks [0] ended without it" in hang.why, hang
+
+
+def test_a_rank_still_running_after_a_peer_ended_gets_its_phases_limit(tmp_path: Path, ranks: Ranks) -> None:
+    clock = Clock()
+    watcher = watch(tmp_path, clock)
+    ranks.set(1, 12, "compute")  # in a collective whose peer is gone, until its own timeout
+    ranks.beats[0].close()
+    assert advance(watcher, clock, ranks, TIMEOUT_S - 1, 1) is None
+    hang = advance(watcher, clock, ranks, 2, 1)
+    assert hang is not None and hang.culprit == 1 and hang.limit_s == TIMEOUT_S, hang
+    assert "did not end" in hang.why and "phase compute, step 12" in hang.why, hang
 
 
 PY_SPY_IN_COLLECTIVE = '''Thread 10 (idle): "MainThread"

@@ -164,8 +164,10 @@ def _kill_local_job(sjob: Any) -> None:
 def _record_hang(job: JobConfig, attempts: AttemptLog, before: int, report: HangReport) -> tuple[str, Decision, str]:
     """The watchdog killed the attempt: the launcher records it as `hung` (nobody else could)."""
     fields = report.attempt_fields()
-    if len(attempts.read()) > before:  # rank 0 recorded the attempt just before it was killed: keep its line
+    if len(attempts.read()) > before:  # rank 0 recorded the attempt before the rest was killed: keep its line
         last = attempts.read()[-1]
+        print(f"gpujobs: {fields['error']}; killed after rank 0 recorded the attempt ({last.reason}); stacks in "
+              f"{report.evidence_dir}", flush=True)
         return last.reason, Decision(last.requeue, last.why), last.error or fields["error"]
     recorded = attempts.record(job.cluster, "hung", recorded_by="launcher", world_size=job.resources.ranks_per_node,
                                **job.resources.held_per_rank, **fields)

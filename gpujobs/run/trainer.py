@@ -190,6 +190,7 @@ class Trainer:
         """Collective: blocks while the state is copied to host memory; the rest runs in the background
         (`poll` at every step boundary publishes it, or raises its failure on every rank)."""
         self.beat.phase = "checkpoint"
+        self._published(self.checkpoints.wait())  # the save before it, taken here: `saved` says it
         self.checkpoints.save_async(self.step, self.state_dict, {"rng": rng_state()}, self._meta())
         self.saved_step = self.step
         self._record_save(True, self.checkpoints.last_blocking_s)

@@ -7,6 +7,8 @@ notes, on its own clock, when each rank's (step, phase) and its write counter la
 - the attempt is hung once no rank's (step, phase) changed for `trainer.hang_timeout_s`, or for
   `trainer.hang_slow_phase_s` while some rank is in a phase that is slow by nature (start-up, a save,
   an evaluation): a long save or eval is not a hang;
+- once a rank is done (it finished, or failed), the others must end too: one that stopped running is
+  hung at once, one still running after its phase's limit;
 - the culprit is, in this order: a rank that never reported; a rank whose writes stopped (its process
   is stopped or gone: the others wait for it), the one that stopped first; a rank that is not in a
   phase where ranks wait for each other while others are; a rank whose stack shows no collective
@@ -91,6 +93,8 @@ class HangWatch:
         self.clock = clock
         self.started = clock()
         self.ranks: dict[int, RankView] = {}
+        self._ended_at: Optional[float] = None
+        """When a rank was first seen done."""
 
     def observe(self) -> None:
         """Read every rank's heartbeat and note what changed."""
@@ -115,8 +119,9 @@ class HangWatch:
         if not self.ranks:
             return None  # nothing reported yet: start-up (torch's rendezvous timeout covers a stuck start)
         now = self.clock()
-        if any(view.phase == "done" for view in self.ranks.values()):
-            return None  # a rank finished: the attempt is ending, not hung
+        ended = sorted(rank for rank, view in self.ranks.items() if view.phase == "done")
+        if ended:
+            return self._after_end(ended, now)
         last = max(view.progress_at for view in self.ranks.values())
         missing = [r for r in range(self.world_size) if r not in self.ranks]
         slow = bool(missing) or any(view.phase in SLOW_PHASES for view in self.ranks.values())
@@ -125,6 +130,40 @@ class HangWatch:
             return None
         culprit, why = self.blame(missing, now)
         node = self.ranks[culprit].record.get("node") if culprit in self.ranks else None
+        return Hang(now - last, limit, culprit, node, why, {r: v.record for r, v in sorted(self.ranks.items())})
+
+    def _after_end(self, ended: list[int], now: float) -> Optional[Hang]:
+        """Ranks `ended` are done (succeeded or failed): the attempt is ending, and the others must end too.
+
+        A finished rank's peers are a moment from done, a failed rank's fail of it within the process
+        group's timeout. A rank that stopped running (its heartbeat stopped) never ends by itself, and
+        nothing waits on it any more to time out: it is hung once it has stayed so `stall_s` past the
+        first end. One still running gets its phase's limit from the first end seen.
+        """
+        if self._ended_at is None:
+            self._ended_at = now
+        left = {rank: view for rank, view in self.ranks.items() if view.phase != "done"}
+        missing = [rank for rank in range(self.world_size) if rank not in self.ranks]
+        if not left and not missing:
+            return None
+        since = now - self._ended_at
+        stopped = sorted((view.beat_at, rank) for rank, view in left.items() if now - view.beat_at > self.stall_s)
+        slow = bool(missing) or any(view.phase in SLOW_PHASES for view in left.values())
+        limit = self.stall_s if stopped else self.slow_phase_s if slow else self.hang_timeout_s
+        if since < limit:
+            return None
+        if stopped:
+            beat_at, culprit = stopped[0]
+            why = (f"stopped running {now - beat_at:.0f} s ago in phase {left[culprit].phase} at step "
+                   f"{left[culprit].step} (its heartbeat stopped), and ranks {ended} ended without it")
+        elif missing:
+            culprit, why = missing[0], f"never reported, and ranks {ended} ended without it"
+        else:
+            culprit = min(left)
+            why = (f"did not end {since:.0f} s after ranks {ended} did (phase {left[culprit].phase}, step "
+                   f"{left[culprit].step})")
+        node = self.ranks[culprit].record.get("node") if culprit in self.ranks else None
+        last = max(view.progress_at for view in self.ranks.values())
         return Hang(now - last, limit, culprit, node, why, {r: v.record for r, v in sorted(self.ranks.items())})
 
     def blame(self, missing: list[int], now: float) -> tuple[int, str]:
