@@ -25,7 +25,7 @@ from typing import Any, Optional
 
 from gpujobs.config import TrainerConfig
 from gpujobs.errors import GpujobsError
-from gpujobs.rundir.resume import NoPlanHistory, plan_history
+from gpujobs.rundir.resume import NoPlanHistory, plan_history, plan_misfit
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +116,13 @@ class Balancer:
     def __post_init__(self) -> None:
         self.shares = self._initial_shares()
         self.plan = SplitPlan(self._counts(self.shares))
+        misfit = plan_misfit(self.replay, self.world, self.micro_batch) if self.mode == "replay" else None
+        if misfit is not None:  # refused as the run starts, not at the misfit's step (the submit side asked too)
+            counts = [int(c) for c in misfit["counts"]]
+            raise BalanceError(
+                f"the replayed plan of step {misfit['step']} splits {sum(counts)} rows over {len(counts)} ranks; "
+                f"this run has {self.micro_batch} rows per micro-batch over {self.world} ranks"
+            )
 
     @property
     def mode(self) -> str:
@@ -172,12 +179,7 @@ class Balancer:
         if not applicable:
             return None
         entry = applicable[-1]
-        counts = [int(c) for c in entry["counts"]]
-        if len(counts) != self.world or sum(counts) != self.micro_batch:
-            raise BalanceError(
-                f"the replayed plan of step {entry['step']} splits {sum(counts)} rows over {len(counts)} ranks; "
-                f"this run has {self.micro_batch} rows per micro-batch over {self.world} ranks"
-            )
+        counts = [int(c) for c in entry["counts"]]  # each fits this run: __post_init__ checked
         if counts == self.plan.counts and self.history:
             return None
         return self._change(step, [float(s) for s in entry["shares"]], "replay", counts)
