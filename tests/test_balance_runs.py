@@ -67,6 +67,17 @@ def test_replay_of_a_dynamic_run_gives_its_digest(tmp_path: Path) -> None:
     ]
 
 
+def test_a_static_run_resumed_with_other_shares_follows_them(tmp_path: Path) -> None:
+    """A static plan is a function of the config (and the GPUs): the resume recomputes it, and says so."""
+    run_dir = tmp_path / "run"
+    _ok(run_dir, "trainer.balance=static", "trainer.balance_shares=[3,1]", "trainer.max_steps=4")
+    _ok(run_dir, "trainer.balance=static", "trainer.balance_shares=[1,3]", "trainer.max_steps=8")
+    plans = [(p["step"], p["reason"], p["counts"]) for p in read_metrics(run_dir) if p["kind"] == "plan"]
+    assert plans == [(0, "start", [96, 32]), (4, "resume, replanned", [32, 96])]
+    logs = "".join(log.read_text() for log in (run_dir / "submitit").glob("*_0_log.err"))
+    assert logs.count("saved split plan [96, 32] rows per rank is now [32, 96]") == 1
+
+
 def test_replay_of_a_run_without_a_plan_history_is_one_clear_failure(tmp_path: Path) -> None:
     proc = submit(tmp_path / "replay", *TINY, "trainer.balance=replay", f"trainer.balance_replay={tmp_path}")
     assert proc.returncode != 0

@@ -1,8 +1,9 @@
 """Bad configs that once got past submit: each is refused there, in one line naming the key the user set.
 
 The global batch against the ranks and `trainer.grad_accum`, a balancing option its mode never reads, weights
-whose sum overflows, a replay of a run dir without a plan history, `.` or `..` as a directory name, and a
-schema field missing from the composed config (so an override of it was an "unknown key").
+whose sum overflows, a replay of a run dir without a plan history or with one of another world size or
+micro-batch, `.` or `..` as a directory name, and a schema field missing from the composed config (so an
+override of it was an "unknown key").
 """
 
 from __future__ import annotations
@@ -138,6 +139,31 @@ def test_a_replay_of_a_run_dir_whose_checkpoint_records_no_plan_history_is_refus
     (line,) = proc.stderr.strip().splitlines()
     assert line.endswith("(its newest checkpoint step_00000010 records no plan history (was it trained with "
                          "trainer.balance=dynamic?))"), line
+    assert not run_dir.exists()
+
+
+@pytest.mark.parametrize(
+    ("counts", "misfit"),
+    [
+        # a dynamic run at 2 ranks, resumed at 3: the replay at 2 ranks would fail at step 12, mid-run
+        ([[64, 64], [43, 43, 42]], "its plan of step 12 splits 128 rows over 3 ranks"),
+        ([[32, 32]], "its plan of step 0 splits 64 rows over 2 ranks"),  # another global batch
+    ],
+)
+def test_a_replay_of_a_plan_history_of_another_world_or_batch_is_refused_at_submit(
+    tmp_path: Path, counts: list[list[int]], misfit: str
+) -> None:
+    step = tmp_path / "dynamic" / "checkpoints" / "step_00000020"
+    step.mkdir(parents=True)
+    history = [{"step": 12 * i, "reason": "update", "shares": [1 / len(c)] * len(c), "counts": c}
+               for i, c in enumerate(counts)]
+    (step / "COMPLETE").write_text(json.dumps({"step": 20, "balance": {"mode": "dynamic", "history": history}}))
+    run_dir = tmp_path / "replay"
+    proc = submit(run_dir, *TINY, "trainer.balance=replay", f"trainer.balance_replay={tmp_path / 'dynamic'}")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.endswith("allowed the run dir of a finished trainer.balance=dynamic run of 2 ranks and 128 rows per "
+                         f"micro-batch throughout ({misfit})"), line
     assert not run_dir.exists()
 
 

@@ -76,16 +76,25 @@ def preflight(job: JobConfig, cache: Optional[dict[Any, Any]] = None) -> None:
 def _check_replay(job: JobConfig) -> None:
     """`trainer.balance=replay`: its run dir must hold a plan history now, not only when the job (maybe after
     hours in a queue) starts and reads it the same way."""
-    from gpujobs.rundir.resume import NoPlanHistory, plan_history
+    from gpujobs.rundir.resume import NoPlanHistory, global_batch_of, plan_history, plan_misfit
 
     replay = job.trainer.balance_replay
     if job.trainer.balance != "replay" or not replay:
         return
     try:
-        plan_history(Path(replay))
+        history = plan_history(Path(replay))
     except NoPlanHistory as err:
         raise ConfigError("trainer.balance_replay", replay, f"the run dir of a finished trainer.balance=dynamic "
                           f"run ({err})") from None
+    world, batch = job.resources.world_size, global_batch_of(job)
+    rows = batch // job.trainer.grad_accum if batch is not None else None  # a data config that cannot say: ranks only
+    misfit = plan_misfit(history, world, rows)
+    if misfit is not None:
+        counts = [int(c) for c in misfit["counts"]]
+        fits = f"{world} ranks" + (f" and {rows} rows per micro-batch" if rows is not None else "")
+        raise ConfigError("trainer.balance_replay", replay, f"the run dir of a finished trainer.balance=dynamic "
+                          f"run of {fits} throughout (its plan of step {misfit['step']} splits {sum(counts)} rows "
+                          f"over {len(counts)} ranks)")
 
 
 def check_start(job: JobConfig, run_dir: Path, key: str = "hydra.run.dir") -> None:

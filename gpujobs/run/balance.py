@@ -25,7 +25,7 @@ from typing import Any, Optional
 
 from gpujobs.config import TrainerConfig
 from gpujobs.errors import GpujobsError
-from gpujobs.rundir.resume import NoPlanHistory, plan_history
+from gpujobs.rundir.resume import NoPlanHistory, plan_history, plan_misfit
 
 log = logging.getLogger(__name__)
 
@@ -112,10 +112,20 @@ class Balancer:
     shares: list[float] = field(init=False)
     plan: SplitPlan = field(init=False)
     history: list[dict[str, Any]] = field(init=False, default_factory=list)
+    resume_reason: str = field(init=False, default="resume")
+    """The reason of the plan record after a resume: `resume, replanned` where a static plan recomputed from
+    this run's config and GPUs differs from the saved one."""
 
     def __post_init__(self) -> None:
         self.shares = self._initial_shares()
         self.plan = SplitPlan(self._counts(self.shares))
+        misfit = plan_misfit(self.replay, self.world, self.micro_batch) if self.mode == "replay" else None
+        if misfit is not None:  # refused as the run starts, not at the misfit's step (the submit side asked too)
+            counts = [int(c) for c in misfit["counts"]]
+            raise BalanceError(
+                f"the replayed plan of step {misfit['step']} splits {sum(counts)} rows over {len(counts)} ranks; "
+                f"this run has {self.micro_batch} rows per micro-batch over {self.world} ranks"
+            )
 
     @property
     def mode(self) -> str:
@@ -162,7 +172,7 @@ class Balancer:
             found = self.replay_at(step)
             if found is not None:
                 return found
-        return self._change(step, self.shares, "resume" if resumed else "start", self.plan.counts)
+        return self._change(step, self.shares, self.resume_reason if resumed else "start", self.plan.counts)
 
     def replay_at(self, step: int) -> Optional[dict[str, Any]]:
         """replay: the recorded plan that applies from `step` on, if it differs from the current one."""
@@ -172,12 +182,7 @@ class Balancer:
         if not applicable:
             return None
         entry = applicable[-1]
-        counts = [int(c) for c in entry["counts"]]
-        if len(counts) != self.world or sum(counts) != self.micro_batch:
-            raise BalanceError(
-                f"the replayed plan of step {entry['step']} splits {sum(counts)} rows over {len(counts)} ranks; "
-                f"this run has {self.micro_batch} rows per micro-batch over {self.world} ranks"
-            )
+        counts = [int(c) for c in entry["counts"]]  # each fits this run: __post_init__ checked
         if counts == self.plan.counts and self.history:
             return None
         return self._change(step, [float(s) for s in entry["shares"]], "replay", counts)
@@ -213,10 +218,22 @@ class Balancer:
 
     def load_state_dict(self, state: dict[str, Any]) -> bool:
         """Continue a saved plan; True when it applied as saved. A plan of another world (elastic resume),
-        another micro-batch or another mode starts over from this mode's initial plan, keeping the history."""
+        another micro-batch or another mode starts over from this mode's initial plan, keeping the history.
+
+        A static plan is a function of this run's config and GPUs, not state: it stays as recomputed (new
+        `balance_shares`, or a requeue onto GPUs in another order, change it), and a change is logged and
+        recorded (`resume_reason`). A dynamic plan is what the run learned, so it carries over."""
         self.history = list(state.get("history", []))
         same = (state.get("world") == self.world and state.get("micro_batch") == self.micro_batch
                 and state.get("mode") == self.mode)
+        if same and self.mode == "static":
+            saved = [int(c) for c in state["counts"]]
+            if saved == self.plan.counts:
+                return True
+            self.resume_reason = "resume, replanned"
+            log.info("trainer.balance=static: the saved split plan %s rows per rank is now %s (recomputed from "
+                     "this run's balance_shares or balance_gpu_weights and its GPUs)", saved, self.plan.counts)
+            return False
         if same:
             self.shares = [float(s) for s in state["shares"]]
             self.plan = SplitPlan([int(c) for c in state["counts"]])

@@ -279,7 +279,8 @@ class PlanRecord:
     mode: str
     """The balance mode (off | static | dynamic | replay)."""
     reason: str
-    """Why it was written: start | update | resume | replay | world."""
+    """Why it was written: start | update | resume | resume, replanned (a static plan recomputed on resume, from
+    a changed config or other GPUs) | replay | world."""
     shares: list[float]
     """Each rank's fraction of the global batch, in rank order (they sum to 1)."""
     counts: list[int] = field(default_factory=list)

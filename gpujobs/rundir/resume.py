@@ -144,6 +144,17 @@ def plan_history(run_dir: Path) -> list[dict[str, Any]]:
     return entries
 
 
+def plan_misfit(history: list[dict[str, Any]], world: int, rows: Optional[int]) -> Optional[dict[str, Any]]:
+    """The first entry of a plan history that a run of `world` ranks and `rows` rows per micro-batch (None:
+    not known here) cannot follow, else None. A replay follows every entry, so one that fits no more (the
+    recorded run was resumed at another world size) would fail at its step, mid-run: both sides ask first."""
+    for entry in history:
+        counts = [int(c) for c in entry["counts"]]
+        if len(counts) != world or (rows is not None and sum(counts) != rows):
+            return entry
+    return None
+
+
 def check_run_dir(job: JobConfig, run_dir: Path) -> None:
     """Submit side: refuse a start that would resume another run, or throw a run's checkpoints away."""
     found = newest_marker(run_dir)
