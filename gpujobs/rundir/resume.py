@@ -136,12 +136,21 @@ def plan_history(run_dir: Path) -> list[dict[str, Any]]:
     path, marker = found
     balance = marker.get("balance")
     history = balance.get("history") if isinstance(balance, dict) else None
-    entries = [entry for entry in history if isinstance(entry, dict) and "counts" in entry and "step" in entry] if (
-        isinstance(history, list)) else []
+    entries = [entry for entry in history if _is_plan(entry)] if isinstance(history, list) else []
     if not entries:
         raise NoPlanHistory(f"its newest checkpoint {path.name} records no plan history (was it trained with "
                             "trainer.balance=dynamic?)")
     return entries
+
+
+def _is_plan(entry: Any) -> bool:
+    """An entry of a plan history as the balancer writes it: the step, each rank's share and row count."""
+    if not isinstance(entry, dict):
+        return False
+    step, shares, counts = entry.get("step"), entry.get("shares"), entry.get("counts")
+    return (isinstance(step, int) and isinstance(shares, list) and isinstance(counts, list)
+            and len(shares) == len(counts) and all(isinstance(c, int) and not isinstance(c, bool) for c in counts)
+            and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in shares))
 
 
 def plan_misfit(history: list[dict[str, Any]], world: int, rows: Optional[int]) -> Optional[dict[str, Any]]:
