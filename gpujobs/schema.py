@@ -92,9 +92,10 @@ class TrainerConfig(Checked):
     """Log metrics every N steps."""
     deterministic: bool = True
     """Deterministic kernels, so a seed gives bit-identical parameters."""
-    pg_timeout_s: int = field(default=600, metadata=bounds(ge=1, le=MAX_PG_TIMEOUT_S, note="NCCL heartbeat limit"))
+    pg_timeout_s: int = field(default=1830, metadata=bounds(ge=1, le=MAX_PG_TIMEOUT_S, note="NCCL heartbeat limit"))
     """Process-group timeout: a dead rank makes the others fail after this many seconds. With the hang
-    watchdog on, at least `hang_timeout_s` + 30 s, so the watchdog acts (and keeps the evidence) first. At most
+    watchdog on, at least `hang_slow_phase_s` (and `hang_timeout_s`) + 30 s: the others wait in a collective
+    while a rank saves or evaluates, and the watchdog must judge that (and keep the evidence) first. At most
     `MAX_PG_TIMEOUT_S` (2,147,483 s, 24.8 days): NCCL's heartbeat monitor counts it in 32-bit milliseconds
     (torch's own deadlines, signed 64-bit nanoseconds on a steady clock, would wrap only past `MAX_WAIT_S`)."""
     hang_timeout_s: int = field(default=300, metadata=bounds(ge=0, le=MAX_WAIT_S))
@@ -132,12 +133,14 @@ class TrainerConfig(Checked):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.hang_timeout_s and self.pg_timeout_s < self.hang_timeout_s + HANG_EVIDENCE_S:
+        longest = max(self.hang_timeout_s, self.hang_slow_phase_s)
+        if self.hang_timeout_s and self.pg_timeout_s < longest + HANG_EVIDENCE_S:
             raise ConfigError(
                 "pg_timeout_s", self.pg_timeout_s,
-                f"at least {self.hang_timeout_s + HANG_EVIDENCE_S} with hang_timeout_s={self.hang_timeout_s} "
-                f"(torch's collective timeout must leave the hang watchdog {HANG_EVIDENCE_S} s to take the "
-                "evidence first), or trainer.hang_timeout_s=0",
+                f"at least {longest + HANG_EVIDENCE_S} with hang_timeout_s={self.hang_timeout_s} and "
+                f"hang_slow_phase_s={self.hang_slow_phase_s} (the others wait in a collective while a rank saves "
+                f"or evaluates: torch's timeout must leave the hang watchdog the slow phase's limit and "
+                f"{HANG_EVIDENCE_S} s for the evidence), or trainer.hang_timeout_s=0",
             )
         # each is read by one mode only: set under another, it would be silently ignored
         for name, value, mode in (("balance_shares", self.balance_shares, "static"),

@@ -138,14 +138,15 @@ def test_a_hung_rank_on_slurm_requeues_on_the_other_node(
     assert sick in status, status
 
 
-def test_a_rank_stopped_in_a_save_is_killed_once_its_peer_gave_up_on_it(tmp_path: Path) -> None:
-    """Rank 1 is stopped in a save, a phase slow by nature (`trainer.hang_slow_phase_s`, 30 min by default,
-    holds). Rank 0's collective times out first (`trainer.pg_timeout_s`): it records the attempt failed and
-    ends. The stopped rank would hold the attempt forever; the watchdog kills it, and the job restarts."""
+def test_a_rank_stopped_in_a_save_is_hung_within_the_plain_limit(tmp_path: Path) -> None:
+    """Rank 1 is stopped in a save, a phase slow by nature: a stopped process saves nothing, so the attempt
+    is hung after `trainer.hang_timeout_s`, not after `trainer.hang_slow_phase_s` (10 min here) or torch's
+    collective timeout, and the job restarts from its checkpoint."""
     run_dir = tmp_path / "run"
     job = RunningJob(run_dir, "+experiment=rec", "+debug=tiny", "cluster=local", "model.embedding_dim=256",
                      "trainer.max_steps=400", "checkpoint.every_steps=1", "checkpoint.keep=2", "trainer.eval_every=0",
-                     "trainer.hang_timeout_s=5", "trainer.pg_timeout_s=35", "cluster.max_restarts=1")
+                     "trainer.hang_timeout_s=5", "trainer.hang_slow_phase_s=600", "trainer.pg_timeout_s=630",
+                     "cluster.max_restarts=1")
     job.wait_for_step(2)
     rank_1 = job.local_rank_pids()[1]
     beat = run_dir / "heartbeat" / "rank_1.json"
@@ -159,10 +160,9 @@ def test_a_rank_stopped_in_a_save_is_killed_once_its_peer_gave_up_on_it(tmp_path
                 break
             os.kill(rank_1, signal.SIGCONT)  # it wrote another phase as it stopped: again
     stopped_at = time.time()
-    assert job.wait(timeout=180) == 0, job.output()
-    failed, completed = attempts(run_dir)
-    assert failed["reason"] == "failed" and failed["recorded_by"] == "rank 0" and failed["requeue"] is True, failed
-    assert failed["end"] - stopped_at < 35 + 20, failed  # the process group's timeout, then rank 0's line
-    assert "stopped running" in job.output() and "ended without it" in job.output(), job.output()
+    assert job.wait(timeout=240) == 0, job.output()
+    hung, completed = attempts(run_dir)
+    assert hung["reason"] == "hung" and hung["culprit_rank"] == 1 and "phase checkpoint" in hung["error"], hung
+    assert hung["end"] - stopped_at < 5 + 30, hung
     assert not alive(rank_1)
     assert completed["reason"] == "completed" and completed["resumed_from"], completed

@@ -124,7 +124,7 @@ def test_files_of_an_earlier_attempt_are_not_this_attempts(tmp_path: Path, ranks
     assert watcher.ranks == {}
 
 
-def test_an_attempt_whose_ranks_all_ended_is_no_hang(tmp_path: Path, ranks: Ranks) -> None:
+def test_an_attempt_whose_ranks_all_ended_is_no_hang_until_its_processes_outstay(tmp_path: Path, ranks: Ranks) -> None:
     clock = Clock()
     watcher = watch(tmp_path, clock)
     ranks.set(1, 7, "compute")
@@ -132,22 +132,25 @@ def test_an_attempt_whose_ranks_all_ended_is_no_hang(tmp_path: Path, ranks: Rank
     assert read_heartbeat(heartbeat_path(tmp_path, 0))["phase"] == "done"  # type: ignore[index]
     assert advance(watcher, clock, ranks, 2, 1) is None  # rank 1 is a moment from done
     ranks.beats[1].close()
-    assert advance(watcher, clock, ranks, SLOW_S * 2) is None
+    assert advance(watcher, clock, ranks, TIMEOUT_S - 3) is None  # the processes exit within moments...
+    hang = advance(watcher, clock, ranks, 3)  # ... unless a teardown hangs
+    assert hang is not None and hang.limit_s == TIMEOUT_S and "said done" in hang.why and "did not exit" in hang.why
 
 
 def test_a_rank_that_stopped_running_after_a_peer_ended_is_hung_at_once(tmp_path: Path, ranks: Ranks) -> None:
-    """Rank 1 is stopped in a save; rank 0 fails of it (its collective times out) and ends. Nothing waits on
-    rank 1 any more, and the slow phase's limit would hold the attempt for SLOW_S: it is hung within seconds."""
+    """Rank 1 stops; rank 0 fails (of it, or of its own) and ends. Nothing waits on rank 1 any more, and it
+    never ends by itself: it is hung within seconds of the end, before `hang_timeout_s` has passed."""
     clock = Clock()
     watcher = watch(tmp_path, clock)
-    ranks.set(0, 30, "checkpoint")
-    ranks.set(1, 30, "checkpoint")
+    ranks.set(0, 30, "compute")
+    ranks.set(1, 30, "compute")
     advance(watcher, clock, ranks, 2, 0, 1)
-    assert advance(watcher, clock, ranks, SLOW_S - 10, 0) is None  # rank 1's heartbeat stopped: a long save
+    assert advance(watcher, clock, ranks, 2, 0) is None  # rank 1's thread stopped
     ranks.beats[0].close()
     hang = advance(watcher, clock, ranks, watcher.stall_s + 2)
     assert hang is not None and hang.culprit == 1 and hang.limit_s == watcher.stall_s, hang
-    assert "stopped running" in hang.why and "ranks [0] ended without it" in hang.why, hang
+    assert clock.now - 1000.0 < TIMEOUT_S and "stopped running" in hang.why, hang
+    assert "ranks [0] ended without it" in hang.why, hang
 
 
 def test_a_rank_still_running_after_a_peer_ended_gets_its_phases_limit(tmp_path: Path, ranks: Ranks) -> None:
@@ -193,3 +196,17 @@ def test_stacks_tell_a_rank_outside_a_collective() -> None:
     assert refined.culprit == 1 and "not in a collective" in refined.why
     stronger = Hang(12.0, 10.0, 0, "node1", "stopped running 9 s ago")
     assert blame_by_stacks(stronger, {0: PY_SPY_IN_COLLECTIVE, 1: FAULTHANDLER_IN_DATA}) is stronger
+
+
+def test_a_rank_stopped_in_a_slow_phase_gets_the_plain_limit(tmp_path: Path, ranks: Ranks) -> None:
+    """A stopped process saves nothing: a rank whose heartbeat stopped in a save holds its peers as a
+    rank stopped anywhere else does, for `hang_timeout_s`, not for the slow phase's limit."""
+    clock = Clock()
+    watcher = watch(tmp_path, clock)
+    ranks.set(0, 30, "checkpoint")
+    ranks.set(1, 30, "checkpoint")
+    advance(watcher, clock, ranks, 1, 0, 1)
+    assert advance(watcher, clock, ranks, TIMEOUT_S - 2, 0) is None
+    hang = advance(watcher, clock, ranks, 3, 0)  # only rank 0's thread writes
+    assert hang is not None and hang.limit_s == TIMEOUT_S and hang.culprit == 1, hang
+    assert "stopped running" in hang.why and "phase checkpoint" in hang.why, hang

@@ -27,6 +27,7 @@ from gpujobs.run.hangs import HangReport, Watchdog
 from gpujobs.run.payload import FromRunDir
 from gpujobs.run.script import record_completed
 from gpujobs.rundir.attempts import AttemptLog, Decision
+from gpujobs.rundir.records import read_result
 
 
 def check_local_resources(job: JobConfig, gpus_here: int) -> None:
@@ -103,6 +104,9 @@ def run_local(job: JobConfig, run_dir: Path) -> int:
                 return 0
             if watchdog is not None and watchdog.report is not None:
                 reason, decision, error = _record_hang(job, attempts, before, watchdog.report)
+                if reason == "completed" and read_result(run_dir) is not None:  # only its end hung: the run is done
+                    follower.print_result()
+                    return 0
             else:
                 reason, decision, error = _judge_attempt(job, attempts, before, error, f"local:{sjob.job_id}", started)
             if not decision.requeue:

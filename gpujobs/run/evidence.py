@@ -121,13 +121,12 @@ def take_stacks(run_dir: Path, out: Path, ranks: dict[int, dict[str, Any]],
             (out / f"rank_{rank}.txt").write_text(text)
             how[rank] = "py-spy"
             continue
-        if pid is not None:
+        if pid is not None and stopped(pid):  # it runs no handler until it continues: alone, then stops again
+            _stacks_of_stopped(stacks_path(run_dir, rank), pid, [p for p in here.values() if p != pid])
+            how[rank] = "faulthandler (stopped: continued alone to write them, then stopped again)"
+        elif pid is not None:
             os.kill(pid, STACKS_SIGNAL)
-            if stopped(pid):  # a stopped process runs no handler until it continues
-                os.kill(pid, signal.SIGCONT)
-                how[rank] = "faulthandler (stopped: SIGCONT to let it write)"
-            else:
-                how[rank] = "faulthandler"
+            how[rank] = "faulthandler"
         else:
             how[rank] = "faulthandler (signalled through Slurm)"
         asked.append(rank)
@@ -149,6 +148,30 @@ def take_stacks(run_dir: Path, out: Path, ranks: dict[int, dict[str, Any]],
         if not text:
             how[rank] += ", no answer"
     return how
+
+
+def _stacks_of_stopped(written: Path, pid: int, others: list[int]) -> None:
+    """SIGUSR1, then SIGCONT, to stopped rank `pid`, until its faulthandler has written `written`; then it is
+    stopped again. The ranks beside it (`others`, on this machine) are held still meanwhile: once the
+    stopped rank runs, the attempt judged hung could go on training, saving and recording past its verdict."""
+    held = [other for other in others if alive(other) and not stopped(other)]
+    for other in held:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(other, signal.SIGSTOP)
+    try:
+        os.kill(pid, STACKS_SIGNAL)
+        os.kill(pid, signal.SIGCONT)
+        deadline = time.monotonic() + _FAULTHANDLER_WAIT_S
+        while not (written.exists() and written.stat().st_size > 0) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.2)  # let the handler finish its lines
+        os.kill(pid, signal.SIGSTOP)
+    except ProcessLookupError:
+        pass  # it is gone: nothing more to read, nothing to hold
+    finally:
+        for other in held:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(other, signal.SIGCONT)
 
 
 def dump_flight_recorder(run_dir: Path, out: Path, ranks: list[int],

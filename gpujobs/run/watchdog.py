@@ -6,9 +6,10 @@ notes, on its own clock, when each rank's (step, phase) and its write counter la
 
 - the attempt is hung once no rank's (step, phase) changed for `trainer.hang_timeout_s`, or for
   `trainer.hang_slow_phase_s` while some rank is in a phase that is slow by nature (start-up, a save,
-  an evaluation): a long save or eval is not a hang;
+  an evaluation) and every rank runs: a long save or eval is not a hang, a stopped rank's is;
 - once a rank is done (it finished, or failed), the others must end too: one that stopped running is
-  hung at once, one still running after its phase's limit;
+  hung at once, one still running after its phase's limit; processes still there `hang_timeout_s` after
+  every rank said done hang in their teardown;
 - the culprit is, in this order: a rank that never reported; a rank whose writes stopped (its process
   is stopped or gone: the others wait for it), the one that stopped first; a rank that is not in a
   phase where ranks wait for each other while others are; a rank whose stack shows no collective
@@ -124,7 +125,9 @@ class HangWatch:
             return self._after_end(ended, now)
         last = max(view.progress_at for view in self.ranks.values())
         missing = [r for r in range(self.world_size) if r not in self.ranks]
-        slow = bool(missing) or any(view.phase in SLOW_PHASES for view in self.ranks.values())
+        # a rank that stopped running saves or evaluates nothing: its peers wait on it, whatever their phase
+        stopped = any(now - view.beat_at > self.stall_s for view in self.ranks.values())
+        slow = bool(missing) or (not stopped and any(view.phase in SLOW_PHASES for view in self.ranks.values()))
         limit = self.slow_phase_s if slow else self.hang_timeout_s
         if now - last < limit:
             return None
@@ -144,9 +147,15 @@ class HangWatch:
             self._ended_at = now
         left = {rank: view for rank, view in self.ranks.items() if view.phase != "done"}
         missing = [rank for rank in range(self.world_size) if rank not in self.ranks]
-        if not left and not missing:
-            return None
         since = now - self._ended_at
+        if not left and not missing:  # all done: their processes exit within moments, unless teardown hangs
+            if since < self.hang_timeout_s:
+                return None
+            culprit = min(self.ranks)
+            return Hang(since, self.hang_timeout_s, culprit, self.ranks[culprit].record.get("node"),
+                        f"and every other rank said done {since:.0f} s ago, yet the attempt's processes did not "
+                        "exit (a teardown that hangs: the process group's, a background save's)",
+                        {r: v.record for r, v in sorted(self.ranks.items())})
         stopped = sorted((view.beat_at, rank) for rank, view in left.items() if now - view.beat_at > self.stall_s)
         slow = bool(missing) or any(view.phase in SLOW_PHASES for view in left.values())
         limit = self.stall_s if stopped else self.slow_phase_s if slow else self.hang_timeout_s
