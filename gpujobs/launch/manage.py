@@ -228,6 +228,8 @@ def select(points: list[PointState], num: Optional[int]) -> list[PointState]:
     if num is None:
         return points
     chosen = [p for p in points if p.num == num or (p.num is None and num == 0)]
+    if not chosen and points and all(p.num is None for p in points):
+        raise GpujobsError(f"no point #{num}: {points[0].run_dir} is a single run, not a sweep (its only point is 0)")
     if not chosen:
         raise GpujobsError(f"no point #{num}: points are {', '.join(str(p.num) for p in points)}")
     return chosen
