@@ -157,7 +157,8 @@ def test_management_commands_answer_as_python_m_gpujobs_does(run_dir: Path, args
 def test_a_point_of_a_single_run_dir_is_refused_saying_it_is_no_sweep(run_dir: Path) -> None:
     proc = gpujobs("logs", "--point", "3", str(run_dir), cwd=run_dir.parent)
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert one_line(proc.stderr) == f"gpujobs: no point #3: {run_dir} is a single run, not a sweep (its only point is 0)"
+    assert one_line(proc.stderr) == (f"gpujobs: no point #3: {run_dir} is a single run, not a sweep (its only "
+                                     "point is 0)")
 
 
 def test_report_writes_the_plots_of_a_run(run_dir: Path) -> None:

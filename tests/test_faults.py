@@ -174,6 +174,7 @@ def test_a_prometheus_port_in_use_is_a_recorded_failed_attempt(tmp_path: Path) -
     assert proc.returncode == 1
     (line,) = attempts(run_dir)  # inside the attempt, within its budget: not a crash before it
     assert line["reason"] == "failed" and "Address already in use" in line["error"], line
+    assert f"the Prometheus endpoint cannot listen on 127.0.0.1:{port} (telemetry.prometheus_addr" in line["error"]
     assert "Address already in use" in proc.stdout
 
 

@@ -118,7 +118,11 @@ class PrometheusExporter:
         if imbalance_threshold is not None:
             self.threshold.labels(self.job_name).set(imbalance_threshold)
         # "" means every interface, as in socket.bind; prometheus_client cannot resolve it
-        server, _ = start_http_server(port, addr=addr or "0.0.0.0", registry=self.registry)
+        try:
+            server, _ = start_http_server(port, addr=addr or "0.0.0.0", registry=self.registry)
+        except OSError as err:  # in use, no such address here, a name that does not resolve: say whose it is
+            raise OSError(err.errno, f"the Prometheus endpoint cannot listen on {addr or '0.0.0.0'}:{port} "
+                          f"(telemetry.prometheus_addr, telemetry.prometheus_port): {err.strerror or err}") from None
         self._server = server
         bound = str(server.server_address[0])
         if bound in _ALL_INTERFACES:
