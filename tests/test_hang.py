@@ -99,6 +99,23 @@ def slurm_reference(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(read_result(run_dir)["param_digest"])
 
 
+def test_a_hung_attempt_leaves_no_prometheus_target_behind(tmp_path: Path) -> None:
+    """Rank 0 announced its endpoint as a file_sd target and was killed for the hang before it could withdraw
+    it: the launcher does, or an alert would fire for a job that is over."""
+    sd_dir = tmp_path / "sd"
+    sd_dir.mkdir(mode=0o700)
+    run_dir = tmp_path / "run"
+    job = RunningJob(run_dir, *HANG[:-1], "cluster.max_restarts=0", "telemetry.prometheus_port=0",
+                     f"telemetry.prometheus_sd_dir={sd_dir}")
+    job.wait_for_step(21)
+    assert len(list(sd_dir.glob("gpujobs-*.json"))) == 1, list(sd_dir.iterdir())
+    os.kill(job.local_rank_pids()[1], signal.SIGSTOP)
+    assert job.wait(timeout=180) == 1, job.output()
+    (hung,) = attempts(run_dir)
+    assert hung["reason"] == "hung", hung
+    assert list(sd_dir.iterdir()) == [], list(sd_dir.iterdir())
+
+
 @pytest.mark.slurm
 @pytest.mark.timeout(600)  # the run, the hang timeout, the requeue and the rest of the run
 def test_a_hung_rank_on_slurm_requeues_on_the_other_node(

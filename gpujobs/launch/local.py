@@ -96,6 +96,10 @@ def run_local(job: JobConfig, run_dir: Path) -> int:
                 error = follower.follow(sjob, tick=watchdog.tick if watchdog else None)
             except KeyboardInterrupt as stop:
                 return _record_interrupt(job, attempts, before, sjob, started, stop)
+            finally:  # the ranks are gone: a target rank 0 could not withdraw (killed) goes with them
+                from gpujobs.run.prometheus import withdraw_left_target
+
+                withdraw_left_target(run_dir)
             if error is None:
                 if job.script is not None and len(attempts.read()) == before:  # its ranks left the line to us
                     record_completed(run_dir, job, res.ranks_per_node, started, time.time() - started,

@@ -143,7 +143,10 @@ class PrometheusExporter:
                             "(telemetry.prometheus_addr=0.0.0.0 lets a site Prometheus in)", host, server.server_port)
             self.target = FileSdTarget(sd_dir, self.job_name, run_dir)
             own = {"job": self.job_name, "run_dir": str(Path(run_dir).resolve())}
-            self.target.write(f"{host}:{server.server_port}", {**(labels or {}), **own})
+            if self.target.write(f"{host}:{server.server_port}", {**(labels or {}), **own}):
+                # which file it is, for the supervisor to withdraw should this rank be killed (`withdraw_left_target`)
+                info["sd_target"] = self.target.identity()
+                write_text_atomic(run_dir / PROMETHEUS_FILE, json.dumps(info) + "\n")
         return url
 
     def observe(self, record: dict[str, Any]) -> None:
@@ -263,6 +266,11 @@ class FileSdTarget:
                         self.path, os.lstat(self.path).st_uid)
         self.path = self.path.with_name(f"{self.path.stem}-{secrets.token_hex(8)}.json")
 
+    def identity(self) -> dict[str, Any]:
+        """The file written here: its path and (st_dev, st_ino)."""
+        dev, ino = self._written if self._written is not None else (None, None)
+        return {"path": str(self.path), "dev": dev, "ino": ino}
+
     def remove(self) -> None:
         """Withdraw the target, unless the file is no longer the one written here (then leave it, logged)."""
         if self._written is None:
@@ -278,3 +286,23 @@ class FileSdTarget:
         except OSError as err:
             log.warning("could not remove the Prometheus file_sd target %s: %s", self.path, err)
         self._written = None
+
+
+def withdraw_left_target(run_dir: Path) -> None:
+    """The supervisor, once an attempt's ranks are gone: withdraw the file_sd target its rank 0 announced and
+    could not withdraw (killed for a hang, or with its launcher), so that no alert fires for a job that is
+    over and no later endpoint on that port is scraped under this run's labels. Only the very file rank 0
+    wrote (prometheus.json says which), owned by this user: a requeued attempt's new file stays."""
+    try:
+        target = json.loads((Path(run_dir) / PROMETHEUS_FILE).read_text())["sd_target"]
+        path, written = Path(target["path"]), (int(target["dev"]), int(target["ino"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # no endpoint, or no target announced
+    try:
+        info = os.lstat(path)
+        if (info.st_dev, info.st_ino) != written or info.st_uid != os.getuid():
+            return
+        os.unlink(path)
+    except OSError:
+        return  # withdrawn by rank 0 (the usual end), or not ours to remove
+    log.warning("withdrew the Prometheus file_sd target %s that the attempt's rank 0 left behind", path)

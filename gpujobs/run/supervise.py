@@ -37,6 +37,7 @@ from gpujobs.run.hangs import Watchdog
 from gpujobs.run.heartbeat import STACKS_SIGNAL, instance
 from gpujobs.run.jobenv import allocated_world_size
 from gpujobs.run.preemption import record_attempt, slurm_job_id
+from gpujobs.run.prometheus import withdraw_left_target
 from gpujobs.run.script import record_completed
 from gpujobs.rundir.attempts import AttemptLog
 from gpujobs.rundir.files import read_config
@@ -137,6 +138,7 @@ def supervise(run_dir: Path, job_id: str, command: list[str]) -> int:
                                 kill=kill_steps, signal_remote=ask_stacks)
     started = time.time()
     code, lines = run_step(command, watchdog)
+    withdraw_left_target(train_dir)  # the ranks are gone: a target rank 0 could not withdraw (killed) goes too
     if len(ledger.read()) > before:
         return code  # rank 0 recorded the attempt (and requeued the job if it may go again)
     if watchdog is not None and watchdog.report is not None:
