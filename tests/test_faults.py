@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -84,6 +85,8 @@ def test_a_disk_that_fills_during_a_save_loses_nothing(tmp_path: Path, straight_
         (line,) = attempts(run_dir)
         assert line["reason"] == "failed" and "CheckpointNotSaved" in line["error"]
         assert "step 30 not saved" in line["error"] and "last good: step 20" in line["error"]
+        named = re.search(r"not saved \(rank (\d+)", line["error"])  # the rank whose write failed is the culprit
+        assert named and line["culprit_rank"] == int(named.group(1)) and line["node"], line
         assert not (run_dir / "result.json").exists()
         published = sorted(p.name for p in checkpoints.iterdir() if (p / "COMPLETE").exists())
         assert published == ["step_00000010", "step_00000020"]  # intact: nothing pruned, nothing half-written

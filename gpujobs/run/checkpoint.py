@@ -37,7 +37,7 @@ import os
 import shutil
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,7 +59,14 @@ _TMP = ".tmp-"
 
 
 class CheckpointNotSaved(GpujobsError):
-    """A save failed on some rank: nothing was published; the message names the step and the last good one."""
+    """A save failed on some rank: nothing was published; the message names the step and the last good one.
+
+    Every rank raises it at the same step (the ranks decide together); `ranks` are those whose write
+    failed (rank 0 where publishing failed), so the ledger blames one of them, not the fastest echo."""
+
+    def __init__(self, message: str, ranks: Sequence[int] = ()) -> None:
+        super().__init__(message)
+        self.ranks = list(ranks)
 
 
 _CHUNK = 8 << 20
@@ -342,7 +349,7 @@ class CheckpointManager:
     ) -> Path:
         """The save itself (see `save`), its collectives on `group` (the training group if None)."""
         tmp = self.directory / f"{_TMP}{STEP_PREFIX}{step:08d}"
-        report: dict[str, Any] = {"files": {}, "error": None}
+        report: dict[str, Any] = {"rank": self.rank, "files": {}, "error": None}
         try:
             if self.rank == 0:
                 self._sweep_temporaries(keep=tmp)
@@ -353,23 +360,26 @@ class CheckpointManager:
         except Exception as err:  # a full disk, a quota, a vanished mount: report it, decide together
             report["error"] = f"rank {self.rank}: {err}"
         reports = collectives.all_gather_objects(report, group)
-        outcome: Optional[str] = None
+        outcome: Optional[tuple[str, list[int]]] = None
         if self.rank == 0:
             errors = [r["error"] for r in reports if r["error"]]
+            failed = [int(r["rank"]) for r in reports if r["error"]]
             if not errors:
                 files = {name: e for r in reports for name, e in r["files"].items()}
                 try:
                     self._publish(step, tmp, files, {**meta, "world_size": self.world_size})
                 except Exception as err:  # not only OSError: the other ranks wait for this answer
                     errors.append(f"rank 0 publishing: {err}")
+                    failed = [0]
             if errors:
                 shutil.rmtree(tmp, ignore_errors=True)
-                outcome = "; ".join(errors)
+                outcome = ("; ".join(errors), failed)
         outcome = collectives.all_gather_objects(outcome, group)[0]  # rank 0's word, on every rank
         if outcome is not None:
             older = [s for s in self.complete_steps() if s < step]
             last_good = f"step {older[-1]} ({self.path_for(older[-1])})" if older else "none"
-            raise CheckpointNotSaved(f"checkpoint at step {step} not saved ({outcome}); last good: {last_good}")
+            raise CheckpointNotSaved(f"checkpoint at step {step} not saved ({outcome[0]}); last good: {last_good}",
+                                     ranks=outcome[1])
         if self.rank == 0:
             self._prune(step)
         return self.path_for(step)

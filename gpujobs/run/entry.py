@@ -186,7 +186,10 @@ class _Attempt:
             log.error("failed as the local launcher is gone: %s", error)
             orphan.say_last_words(launcher)
             return
-        blamed = failures.fail(Path(self.run_dir), info.rank, info.node, info.world_size, error)
+        from gpujobs.run.checkpoint import CheckpointNotSaved
+
+        named = err.ranks[0] if isinstance(err, CheckpointNotSaved) and err.ranks else None
+        blamed = failures.fail(Path(self.run_dir), info.rank, info.node, info.world_size, error, culprit=named)
         if blamed is None:  # not rank 0
             return
         if _lines(self.run_dir) > self.lines_before:

@@ -139,11 +139,17 @@ def ended(run_dir: Path, rank: int, node: str, how: str) -> None:
     leave(run_dir, RankFailure(rank, node, "" if how == "done" else f"stopped: {how}", time.time(), ended=how))
 
 
-def attempt_fields(run_dir: Path, world_size: int, own: RankFailure) -> dict[str, Any]:
+def attempt_fields(run_dir: Path, world_size: int, own: RankFailure, culprit: Optional[int] = None) -> dict[str, Any]:
     """Rank 0's `record_attempt` fields of a failed attempt: the first error; its rank and node where
     another rank's error came before rank 0's own (or rank 0 ran alone). Where rank 0's error is the
-    first one seen, it may still be an echo (a peer that was killed leaves no file): no rank is blamed."""
+    first one seen, it may still be an echo (a peer that was killed leaves no file): no rank is blamed.
+    An error that names its culprit (`culprit`: a failed save, which every rank raises at once, knows
+    whose write failed) blames that rank instead of the clock."""
     cause = first(run_dir, world_size, own)
+    named = own if culprit == own.rank else _left(run_dir, world_size, instance()).get(culprit) if (
+        culprit is not None) else None
+    if named is not None:
+        return {"error": f"rank {named.rank}: {named.error}", "culprit_rank": named.rank, "node": named.node}
     if cause is not own:
         return {"error": f"rank {cause.rank}: {cause.error}", "culprit_rank": cause.rank, "node": cause.node}
     if world_size == 1:
@@ -151,9 +157,10 @@ def attempt_fields(run_dir: Path, world_size: int, own: RankFailure) -> dict[str
     return {"error": f"rank {own.rank}: {own.error}"}
 
 
-def fail(run_dir: Path, rank: int, node: str, world_size: int, error: str) -> Optional[dict[str, Any]]:
-    """This rank failed with `error`: leave it for rank 0; on rank 0, the attempt's `record_attempt`
-    fields (`attempt_fields`), None on the others."""
+def fail(run_dir: Path, rank: int, node: str, world_size: int, error: str,
+         culprit: Optional[int] = None) -> Optional[dict[str, Any]]:
+    """This rank failed with `error` (which names `culprit`, if it knows one): leave it for rank 0; on
+    rank 0, the attempt's `record_attempt` fields (`attempt_fields`), None on the others."""
     own = RankFailure(rank, node, error, time.time())
     leave(run_dir, own)
-    return attempt_fields(run_dir, world_size, own) if rank == 0 else None
+    return attempt_fields(run_dir, world_size, own, culprit) if rank == 0 else None
