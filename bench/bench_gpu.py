@@ -2,9 +2,9 @@
 
     python bench/bench_gpu.py [--steps 300] [--rounds 3] [overrides...]
 
-The CUDA sibling of bench_trainer.py: one rank on one GPU, bf16 autocast in both loops (the trainer's
-`amp=auto` on CUDA), the rec experiment, rounds alternating a, b, b, a…; the median ratio of samples/s
-is reported. Exits 3 with one line where there is no CUDA GPU.
+The CUDA sibling of bench_trainer.py: one rank on one GPU, the same autocast in both loops (the trainer's
+`amp=auto`: bf16 from compute capability 8.0, else fp32), the rec experiment, rounds alternating a, b, b,
+a…; the median ratio of samples/s is reported. Exits 3 with one line where there is no CUDA GPU.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from gpujobs.run.checkpoint import CheckpointManager
 from gpujobs.run.entry import load_task_builder
 from gpujobs.run.jobenv import DistInfo
 from gpujobs.run.metrics import MetricsLog
+from gpujobs.run.precision import autocast_dtype
 from gpujobs.run.rng import seed_everything
 from gpujobs.run.trainer import Trainer
 
@@ -39,12 +40,13 @@ def run(kind: str, job: JobConfig) -> float:
             trainer = Trainer(job, info, device, task, CheckpointManager(Path(tmp), 0, 1, 0), MetricsLog(None))
             return float(trainer.fit()["samples_per_s"])
     model = task.model.to(device)
+    dtype = autocast_dtype(job.trainer.amp, [torch.cuda.get_device_capability(device)])  # the trainer's choice
     optimizer = torch.optim.Adam(model.parameters(), lr=job.optim.lr)
     torch.cuda.synchronize()
     start = time.perf_counter()
     for step in range(job.trainer.max_steps):
         batch = task.train_batch(step, 0, task.global_batch_size, device)
-        with torch.autocast(device_type="cuda", dtype=torch.bfloat16):
+        with torch.autocast(device_type="cuda", dtype=dtype, enabled=dtype is not None):
             loss = task.loss(model, batch)
         loss.backward()
         optimizer.step()

@@ -85,7 +85,7 @@ class TrainerConfig(Checked):
     grad_clip: Optional[float] = field(default=1.0, metadata=bounds(gt=0))
     """Clip the global gradient norm to this value (null: no clipping)."""
     amp: str = field(default="auto", metadata=bounds(one_of=AMP_MODES))
-    """auto (bf16 on CUDA, off on CPU) | bf16 | off."""
+    """auto (bf16 on GPUs of compute capability 8.0+, fp32 on older GPUs and the CPU) | bf16 | off."""
     eval_every: int = field(default=100, metadata=bounds(ge=0))
     """Evaluate every N steps (0: only at the end)."""
     log_every: int = field(default=20, metadata=bounds(ge=0))

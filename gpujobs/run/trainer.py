@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -22,6 +23,7 @@ from gpujobs.run.heartbeat import NoBeat
 from gpujobs.run.jobenv import DistInfo
 from gpujobs.run.metrics import MetricsLog, param_digest
 from gpujobs.run.optim import build_optimizer, build_scheduler
+from gpujobs.run.precision import autocast_dtype, describe, emulated_bf16
 from gpujobs.run.preemption import PreemptionWatcher
 from gpujobs.run.rng import reseed_rank, rng_state, set_rng_state
 from gpujobs.run.task import Task
@@ -94,12 +96,15 @@ class Trainer:
                 self.clock.install(self.ddp)
         self.optimizer = build_optimizer(list(self.model.parameters()), job.optim)
         self.scheduler = build_scheduler(self.optimizer, job.optim, cfg.max_steps)
-        use_bf16 = cfg.amp == "bf16" or (cfg.amp == "auto" and device.type == "cuda")
-        self.autocast = (
-            (lambda: torch.autocast(device_type=device.type, dtype=torch.bfloat16))
-            if use_bf16
-            else contextlib.nullcontext
-        )
+        capabilities = self._gpu_capabilities() if device.type == "cuda" else []
+        dtype = autocast_dtype(cfg.amp, capabilities)
+        self.autocast: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
+        if dtype is not None:
+            self.autocast = functools.partial(torch.autocast, device_type=device.type, dtype=dtype)
+        if info.is_main:
+            log.info("precision: %s", describe(dtype, capabilities))
+            if warning := emulated_bf16(cfg.amp, capabilities):
+                log.warning("%s", warning)
         self.global_batch = task.global_batch_size
         self.balancer = Balancer(
             cfg, info.world_size, self.global_batch // cfg.grad_accum,
@@ -121,6 +126,11 @@ class Trainer:
         """Every rank's GPU model name as CUDA reports it ("cpu" for a CPU rank); collective."""
         mine = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         return [str(name) for name in collectives.all_gather_objects(mine)]
+
+    def _gpu_capabilities(self) -> list[tuple[int, int]]:
+        """Every rank's CUDA compute capability, so that all ranks choose one precision; collective."""
+        mine = tuple(torch.cuda.get_device_capability(self.device))
+        return [(int(major), int(minor)) for major, minor in collectives.all_gather_objects(mine)]
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
