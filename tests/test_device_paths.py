@@ -7,12 +7,44 @@ the decisions are tested, and the paths they leave to the CPU are run for real.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Optional
 
 import pytest
 import torch
+from conftest import compose_job
 
+from gpujobs.run.checkpoint import CheckpointManager
+from gpujobs.run.entry import load_task_builder
+from gpujobs.run.jobenv import DistInfo
+from gpujobs.run.metrics import MetricsLog
 from gpujobs.run.precision import autocast_dtype, emulated_bf16
+from gpujobs.run.trainer import Trainer
+
+CPU = torch.device("cpu")
+
+
+def _trainer(run: Path, device: torch.device) -> Trainer:
+    job = compose_job("+experiment=rec", "+debug=tiny", "trainer.max_steps=2", "checkpoint.every_steps=2",
+                      "trainer.log_every=0")
+    torch.manual_seed(0)
+    task = load_task_builder(job.task)(job.model, job.data, 1, job.trainer.grad_accum)
+    info = DistInfo(0, 0, 1, 1, "127.0.0.1", 29500, "test")
+    return Trainer(job, info, device, task, CheckpointManager(run, 2, 2, 0, world_size=1), MetricsLog(None))
+
+
+@pytest.mark.filterwarnings("ignore:.*to a meta parameter:UserWarning")  # the stand-in has no values to copy into
+def test_a_resume_loads_on_the_cpu_and_leaves_adams_step_counters_there(tmp_path: Path) -> None:
+    _trainer(tmp_path, CPU).fit()
+    # No CUDA here: the meta device stands in for the GPU, a device the parameters live on that is not the CPU.
+    resumed = _trainer(tmp_path, torch.device("meta"))
+    assert resumed.restore() and resumed.step == 2
+    states = list(resumed.optimizer.state.values())
+    assert len(states) == len(list(resumed.model.parameters()))
+    for state in states:
+        # Loaded where the parameters live, each `step` would cost Adam a device-to-host sync per step
+        assert state["step"].device == CPU and float(state["step"]) == 2.0
+        assert state["exp_avg"].device.type == "meta" and state["exp_avg_sq"].device.type == "meta"
 
 
 @pytest.mark.parametrize(

@@ -157,7 +157,11 @@ class Trainer:
         shared state carries over and each rank's random streams are re-derived from (seed, step, rank).
         """
         self.beat.phase = "checkpoint"
-        found, self.resume_skipped = self.checkpoints.load_latest(map_location=self.device)
+        # Loaded on the CPU: `load_state_dict` copies the model into its parameters and moves the optimizer
+        # state to their device, all but Adam's `step` counters, which stay where they were loaded; on the
+        # GPU, Adam would read each with `.item()` (a host sync) per parameter per step. A GPU load would
+        # also hold a second copy of model and optimizer in GPU memory until the copies are done.
+        found, self.resume_skipped = self.checkpoints.load_latest(map_location="cpu")
         if found is None:
             return False
         check_same_run(found.meta, self.job, found.path, global_batch=self.global_batch)
