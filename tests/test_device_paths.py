@@ -7,9 +7,12 @@ the decisions are tested, and the paths they leave to the CPU are run for real.
 
 from __future__ import annotations
 
+import logging
+import random
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
 import pytest
 import torch
 from conftest import compose_job
@@ -19,6 +22,7 @@ from gpujobs.run.entry import load_task_builder
 from gpujobs.run.jobenv import DistInfo
 from gpujobs.run.metrics import MetricsLog
 from gpujobs.run.precision import autocast_dtype, emulated_bf16
+from gpujobs.run.rng import cuda_state_for, rng_state, set_rng_state
 from gpujobs.run.trainer import Trainer
 
 CPU = torch.device("cpu")
@@ -75,3 +79,26 @@ def test_a_precision_other_than_native_bf16_on_a_gpu_is_warned_of() -> None:
     assert asked is not None and "emulated" in asked and "7.5" in asked, asked
     assert emulated_bf16("auto", [(9, 0)]) is None and emulated_bf16("off", [(7, 0)]) is None
     assert emulated_bf16("auto", []) is None
+
+
+def test_the_cuda_stream_restored_is_the_ranks_own_from_either_format(caplog: pytest.LogCaptureFixture) -> None:
+    first, second = torch.full((16,), 1, dtype=torch.uint8), torch.full((16,), 2, dtype=torch.uint8)
+    saved_before = [first, second]  # the old format: every GPU the rank saw, here two
+    assert cuda_state_for(saved_before, torch.device("cuda", 1)) is second
+    assert cuda_state_for(saved_before, torch.device("cuda", 0)) is first
+    # Today's format: one stream, the rank's, restored on whatever device the rank has now
+    assert cuda_state_for({"device": 3, "state": second}, torch.device("cuda", 0)) is second
+    assert cuda_state_for({"device": 0, "state": first}, CPU) is None
+    with caplog.at_level(logging.WARNING, logger="gpujobs.run.rng"):
+        assert cuda_state_for(saved_before, torch.device("cuda", 2)) is None
+    assert "CUDA random state of 2 GPU(s), none for cuda:2" in caplog.text, caplog.text
+
+
+def test_a_cpu_rank_saves_no_cuda_stream_and_restores_an_old_two_gpu_state(tmp_path: Path) -> None:
+    state = rng_state(CPU)
+    assert "cuda" not in state
+    state["cuda"] = [torch.zeros(16, dtype=torch.uint8), torch.ones(16, dtype=torch.uint8)]
+    torch.save(state, tmp_path / "rank_0.pt")
+    expected = (random.random(), float(np.random.rand()), float(torch.rand(1)))
+    set_rng_state(torch.load(tmp_path / "rank_0.pt", weights_only=True), CPU)
+    assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == expected

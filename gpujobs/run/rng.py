@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import random
-from typing import Any, cast
+from typing import Any, Optional, cast
 
 import numpy as np
 import torch
+
+log = logging.getLogger(__name__)
 
 _MASK64 = (1 << 64) - 1
 
@@ -43,8 +46,9 @@ def reseed_rank(seed: int, step: int, rank: int) -> None:
     seed_everything(derive_seed(seed, RANK_STREAM, step, rank))
 
 
-def rng_state() -> dict[str, Any]:
-    """This rank's random streams, in a form `torch.load(weights_only=True)` accepts."""
+def rng_state(device: torch.device) -> dict[str, Any]:
+    """This rank's random streams, in a form `torch.load(weights_only=True)` accepts: python, numpy, torch,
+    and on a GPU rank the CUDA stream of its own device (`device`), tagged with the device's index."""
     _, numpy_keys, numpy_pos, *_ = cast(tuple[Any, ...], np.random.get_state(legacy=True))
     state: dict[str, Any] = {
         "python": list(random.getstate()),
@@ -52,18 +56,44 @@ def rng_state() -> dict[str, Any]:
         "numpy_pos": int(numpy_pos),
         "torch": torch.get_rng_state(),
     }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if device.type == "cuda":
+        index = _cuda_index(device)
+        state["cuda"] = {"device": index, "state": torch.cuda.get_rng_state(index)}
     return state
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
-    """Restore what `rng_state` captured."""
+def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    """Restore what `rng_state` captured; the CUDA stream onto this rank's `device`, whichever index it has now."""
     if not state:
         return
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     np.random.set_state(("MT19937", state["numpy"].numpy().astype(np.uint32), state["numpy_pos"], 0, 0.0))
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    cuda = cuda_state_for(state.get("cuda"), device)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda, _cuda_index(device))
+
+
+def cuda_state_for(saved: Any, device: torch.device) -> Optional[torch.Tensor]:
+    """The saved CUDA stream that belongs to this rank's `device` (None: none to restore).
+
+    The stream is the rank's, not the GPU's: a rank requeued onto another GPU, or where it sees fewer
+    GPUs, continues it. Checkpoints before this format hold a list, one state per GPU the rank saw then;
+    the rank's own was the one at its device's index, as restoring them all did, and one that is not
+    there is logged, not guessed.
+    """
+    if device.type != "cuda" or saved is None:
+        return None
+    if isinstance(saved, dict):
+        return cast(torch.Tensor, saved["state"])
+    index = _cuda_index(device)
+    if index < len(saved):
+        return cast(torch.Tensor, saved[index])
+    log.warning("the checkpoint holds the CUDA random state of %d GPU(s), none for cuda:%d: its CUDA stream "
+                "continues from the run's seed", len(saved), index)
+    return None
+
+
+def _cuda_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()

@@ -174,7 +174,7 @@ class Trainer:
             self.balancer.load_state_dict(found.shared["balance"])
         saved_world = found.meta.get("world_size", self.info.world_size)
         if found.own:
-            set_rng_state(found.own.get("rng", {}))
+            set_rng_state(found.own.get("rng", {}), self.device)
         else:
             reseed_rank(self.job.trainer.seed, self.step, self.info.rank)
         self.resumed_from = self.saved = found.path
@@ -196,7 +196,8 @@ class Trainer:
         started = time.perf_counter()
         self.beat.phase = "checkpoint"
         self._published(self.checkpoints.wait())
-        self.saved = str(self.checkpoints.save(self.step, self.state_dict, {"rng": rng_state()}, self._meta()))
+        own = {"rng": rng_state(self.device)}
+        self.saved = str(self.checkpoints.save(self.step, self.state_dict, own, self._meta()))
         self.saved_step = self.step
         self._record_save(False, time.perf_counter() - started)
 
@@ -205,7 +206,7 @@ class Trainer:
         (`poll` at every step boundary publishes it, or raises its failure on every rank)."""
         self.beat.phase = "checkpoint"
         self._published(self.checkpoints.wait())  # the save before it, taken here: `saved` says it
-        self.checkpoints.save_async(self.step, self.state_dict, {"rng": rng_state()}, self._meta())
+        self.checkpoints.save_async(self.step, self.state_dict, {"rng": rng_state(self.device)}, self._meta())
         self.saved_step = self.step
         self._record_save(True, self.checkpoints.last_blocking_s)
 
