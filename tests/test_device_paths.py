@@ -24,6 +24,8 @@ from gpujobs.run.metrics import MetricsLog
 from gpujobs.run.precision import autocast_dtype, emulated_bf16
 from gpujobs.run.rng import cuda_state_for, rng_state, set_rng_state
 from gpujobs.run.trainer import Trainer
+from jobs.rec.data import pinned_staging
+from jobs.rec.task import RecTask
 
 CPU = torch.device("cpu")
 
@@ -102,3 +104,16 @@ def test_a_cpu_rank_saves_no_cuda_stream_and_restores_an_old_two_gpu_state(tmp_p
     expected = (random.random(), float(np.random.rand()), float(torch.rand(1)))
     set_rng_state(torch.load(tmp_path / "rank_0.pt", weights_only=True), CPU)
     assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == expected
+
+
+def test_batches_are_staged_in_pinned_memory_for_cuda_only() -> None:
+    assert pinned_staging(torch.device("cuda", 0)) and pinned_staging(torch.device("cuda"))
+    assert not pinned_staging(CPU) and not pinned_staging(torch.device("meta"))
+
+
+def test_a_cpu_batch_is_the_rows_themselves_unpinned() -> None:
+    job = compose_job("+experiment=rec", "+debug=tiny")
+    task = load_task_builder(job.task)(job.model, job.data, 1, 1)
+    assert isinstance(task, RecTask)
+    batch, rows = task.train_batch(3, 8, 40, CPU), task.data.train_rows(3, 8, 40)
+    assert all(torch.equal(a, b) and a.device == CPU and not a.is_pinned() for a, b in zip(batch, rows, strict=True))

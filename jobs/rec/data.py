@@ -15,7 +15,9 @@ import torch
 from gpujobs.errors import ConfigError
 from gpujobs.run.rng import derive_seed
 
-__all__ = ["GENERATOR_STREAM", "SHUFFLE_STREAM", "FeatureSpec", "RecBatch", "RecData", "derive_seed"]
+__all__ = [
+    "GENERATOR_STREAM", "SHUFFLE_STREAM", "FeatureSpec", "RecBatch", "RecData", "derive_seed", "pinned_staging",
+]
 
 GENERATOR_STREAM = 0
 """`derive_seed` stream of the synthetic click log."""
@@ -118,8 +120,9 @@ class RecData:
         """The epoch that the first micro-batch of optimizer step `step` belongs to."""
         return (step * self.micro_batches) // self._batches_per_epoch
 
-    def train_rows(self, step: int, start: int, stop: int) -> RecBatch:
-        """Rows `start..stop` (0 <= start <= stop <= global_batch_size) of optimizer step `step`'s global batch."""
+    def train_rows(self, step: int, start: int, stop: int, pinned: bool = False) -> RecBatch:
+        """Rows `start..stop` (0 <= start <= stop <= global_batch_size) of optimizer step `step`'s global batch;
+        gathered straight into page-locked memory if `pinned` (needs CUDA: see `pinned_staging`)."""
         if step < 0 or not 0 <= start <= stop <= self.global_batch_size:
             raise ValueError(f"no rows {start}..{stop} of step {step} (global batch {self.global_batch_size})")
         parts = []
@@ -132,11 +135,7 @@ class RecData:
             parts.append(self._order(epoch)[first : first + end - row])
             row = end
         rows = parts[0] if len(parts) == 1 else torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
-        return RecBatch(
-            self._train.dense.index_select(0, rows),
-            self._train.sparse.index_select(0, rows),
-            self._train.label.index_select(0, rows),
-        )
+        return RecBatch(*(_gather(column, rows, pinned) for column in self._train))
 
     def eval_batches(self, batch_size: int = 4096) -> Iterator[RecBatch]:
         """The whole eval split (not sharded) in order, as views of at most `batch_size` rows."""
@@ -152,6 +151,23 @@ class RecData:
             self._cached_order = torch.randperm(self._train.num_rows, generator=generator)
             self._cached_epoch = epoch
         return self._cached_order
+
+
+def pinned_staging(device: torch.device) -> bool:
+    """Whether a batch bound for `device` is gathered into pinned host memory and copied without blocking.
+
+    A copy to a CUDA GPU from pageable memory blocks the host while the driver stages it through a pinned
+    buffer of its own; from pinned memory it is a DMA that runs while the host goes on queueing the step
+    (torch keeps the block until the copy is done). Elsewhere there is no copy to take off the step.
+    """
+    return device.type == "cuda"
+
+
+def _gather(column: torch.Tensor, rows: torch.Tensor, pinned: bool) -> torch.Tensor:
+    if not pinned:
+        return column.index_select(0, rows)
+    out = torch.empty((rows.numel(), *column.shape[1:]), dtype=column.dtype, pin_memory=True)
+    return torch.index_select(column, 0, rows, out=out)
 
 
 def _check_split(name: str, split: RecBatch, features: FeatureSpec) -> None:

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from jobs.rec.config import CriteoTSVConfig, DLRMConfig, SyntheticClicksConfig
-from jobs.rec.data import RecBatch
+from jobs.rec.data import RecBatch, pinned_staging
 from jobs.rec.metrics import auc, logloss
 
 
@@ -30,8 +30,10 @@ class RecTask:
         """Samples per optimizer step, all ranks together."""
 
     def train_batch(self, step: int, start: int, stop: int, device: torch.device) -> RecBatch:
-        """Rows `start..stop` of optimizer step `step`'s global batch, on `device`."""
-        return self.data.train_rows(step, start, stop).to(device)
+        """Rows `start..stop` of optimizer step `step`'s global batch, on `device` (copied from pinned memory
+        without blocking the host on CUDA)."""
+        pinned = pinned_staging(device)
+        return self.data.train_rows(step, start, stop, pinned).to(device, non_blocking=pinned)
 
     def loss(self, model: nn.Module, batch: RecBatch) -> torch.Tensor:
         """Mean binary cross-entropy of `model` (the DLRM, or a DDP wrapper of it) on `batch`."""
