@@ -13,7 +13,11 @@
 #      cluster.health_check=true, whose NVML look and NCCL all-reduce probe must pass and be recorded;
 #   4. the report plots them;
 #   5. the hang watchdog's request for PyTorch's NCCL flight recorder (through its pipe) gets a dump;
-#   6. bench/bench_gpu.py: samples/s of the gpujobs Trainer against a plain loop on one GPU.
+#   6. what only a GPU shows of issue 25's fixes: a resume leaves Adam's step counters on the CPU and loads
+#      no second copy of the state into GPU memory; a rank's CUDA stream is saved alone and restored where
+#      fewer GPUs are seen; amp=auto trains bf16 from compute capability 8.0, fp32 before; batches are
+#      gathered into pinned memory and copied without blocking (the host time to queue them is printed);
+#   7. bench/bench_gpu.py: samples/s of the gpujobs Trainer against a plain loop on one GPU.
 # Without a GPU it stops at once with one line and exit code 3. Usage: bash bench/gpu_check.sh [overrides...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -163,6 +167,90 @@ dist.destroy_process_group()
 dumps = sorted(p.name for p in out.iterdir())
 assert found == [0] and dumps == ["nccl_trace_rank_0"], (found, dumps, sorted(p.name for p in (run / "heartbeat").iterdir()))
 print(f"ok: flight recorder dump of {(out / dumps[0]).stat().st_size} bytes after 5 NCCL all-reduces")
+PY
+
+echo "== GPU paths of issue 25: resume placement, the rank's CUDA stream, amp=auto, pinned batches"
+"$py" - <<'PY'
+import sys, tempfile, time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, "bench")
+from bench_trainer import job_config
+
+from gpujobs.run.checkpoint import CheckpointManager
+from gpujobs.run.entry import load_task_builder
+from gpujobs.run.jobenv import DistInfo
+from gpujobs.run.metrics import MetricsLog
+from gpujobs.run.precision import autocast_dtype
+from gpujobs.run.rng import rng_state, seed_everything, set_rng_state
+from gpujobs.run.trainer import Trainer
+
+device = torch.device("cuda", 0)
+torch.cuda.set_device(device)
+job = job_config(20, ["resources.gpus_per_node=1", "trainer.log_every=0"])  # saved at its last step
+info, run = DistInfo(0, 0, 1, 1, "127.0.0.1", 29500, "gpu_check"), Path(tempfile.mkdtemp())
+
+def trainer():
+    seed_everything(job.trainer.seed)
+    task = load_task_builder(job.task)(job.model, job.data, 1, job.trainer.grad_accum)
+    return Trainer(job, info, device, task, CheckpointManager(run, 20, 2, 0, world_size=1), MetricsLog(None))
+
+capability = torch.cuda.get_device_capability(device)
+first = trainer()
+dtype = autocast_dtype("auto", [capability]) or torch.float32
+with first.autocast():
+    product = torch.ones(8, 8, device=device) @ torch.ones(8, 8, device=device)
+native = torch.bfloat16 if capability >= (8, 0) else torch.float32
+assert product.dtype == dtype == native, (capability, product.dtype)
+first.fit()
+
+resumed = trainer()
+params = sum(p.numel() * p.element_size() for p in resumed.model.parameters())
+torch.cuda.synchronize()
+torch.cuda.reset_peak_memory_stats(device)
+before = torch.cuda.memory_allocated(device)
+assert resumed.restore() and resumed.step == 20
+peak = torch.cuda.max_memory_allocated(device) - before
+moments = sum(t.numel() * t.element_size() for s in resumed.optimizer.state.values() for t in s.values() if t.is_cuda)
+for state in resumed.optimizer.state.values():
+    assert state["step"].device.type == "cpu" and state["exp_avg"].is_cuda, {k: v.device for k, v in state.items()}
+# Loaded on the GPU, the model's saved copy would sit there beside the parameters: peak = moments + params
+assert peak < moments + params / 2, f"restore peaked at {peak} bytes on the GPU, its moments are {moments}"
+print(f"ok: resume peaked at {peak / 2**20:.1f} MiB on the GPU (moments {moments / 2**20:.1f} MiB, "
+      f"parameters {params / 2**20:.1f} MiB); Adam's step counters on the CPU; amp=auto: {dtype} on {capability}")
+
+torch.cuda.manual_seed(1)
+saved = rng_state(device)
+assert isinstance(saved["cuda"], dict) and saved["cuda"]["device"] == 0, saved["cuda"]
+expected = torch.rand(4, device=device)
+# An old-format state from a rank that saw one GPU more than this one: all of them set, it raised IndexError
+set_rng_state({**saved, "cuda": [saved["cuda"]["state"]] * (torch.cuda.device_count() + 1)}, device)
+assert torch.equal(torch.rand(4, device=device), expected)
+set_rng_state(saved, device)
+assert torch.equal(torch.rand(4, device=device), expected)
+print("ok: the rank's own CUDA stream saved, and restored from an old state of more GPUs than seen")
+
+data, rows = resumed.task.data, resumed.task.global_batch_size
+assert all(t.is_pinned() for t in data.train_rows(0, 0, rows, True))
+batch = resumed.task.train_batch(0, 0, rows, device)
+assert all(a.is_cuda and torch.equal(a.cpu(), b) for a, b in zip(batch, data.train_rows(0, 0, rows), strict=True))
+
+def queue(pinned):
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for step in range(200):
+        data.train_rows(step, 0, rows, pinned).to(device, non_blocking=pinned)
+    queued = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return queued, time.perf_counter() - start
+
+queue(True)  # warm-up: the pinned allocator's blocks
+for pinned in (False, True):
+    queued, done = queue(pinned)
+    print(f"{'pinned  ' if pinned else 'pageable'}: 200 batches of {rows} rows queued in {queued:.3f} s, "
+          f"copied in {done:.3f} s")
 PY
 
 echo "== trainer vs plain loop on one GPU"
