@@ -32,7 +32,7 @@ CPU = torch.device("cpu")
 
 def _trainer(run: Path, device: torch.device) -> Trainer:
     job = compose_job("+experiment=rec", "+debug=tiny", "trainer.max_steps=2", "checkpoint.every_steps=2",
-                      "trainer.log_every=0")
+                      "trainer.log_every=0", "data.num_train=512", "data.num_eval=256")
     torch.manual_seed(0)
     task = load_task_builder(job.task)(job.model, job.data, 1, job.trainer.grad_accum)
     info = DistInfo(0, 0, 1, 1, "127.0.0.1", 29500, "test")
