@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,7 @@ from conftest import SLOW, read_result, sacct_state, slurm_job_id, submit
 from jobctl import RunningJob, attempts
 
 from gpujobs.rundir import lease
+from gpujobs.rundir.process import boot_id, process_start
 
 
 def test_a_second_local_submission_is_refused_and_the_first_completes(tmp_path: Path, straight_digest: str) -> None:
@@ -50,6 +53,55 @@ def test_a_stale_lease_is_taken_over_with_a_log_line(tmp_path: Path) -> None:
     assert f"taking over the stale lease of a local job (launcher pid {gone.pid}" in proc.stderr
     holder = lease.read(run_dir)
     assert holder is not None and holder.holder == "local" and holder.pid != gone.pid
+
+
+@pytest.fixture
+def sleeper() -> Iterator[subprocess.Popen[bytes]]:
+    """A live process that is no gpujobs launcher: what a lease's pid may be after a reboot or in a container."""
+    proc = subprocess.Popen(["sleep", "60"])
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def test_a_lease_naming_a_live_unrelated_process_is_taken_over_by_a_submit(
+    tmp_path: Path, sleeper: subprocess.Popen[bytes]
+) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    ticks = process_start(sleeper.pid)
+    assert ticks is not None
+    taken = {"holder": "local", "host": socket.gethostname(), "pid": sleeper.pid, "job_id": None,
+             "since": time.time(), "start_ticks": str(int(ticks) - 100), "boot_id": boot_id()}
+    (run_dir / lease.LEASE_FILE).write_text(json.dumps(taken))
+    proc = submit(run_dir, "+experiment=rec", "+debug=tiny", "cluster=debug", "trainer.max_steps=1")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (f"taking over the stale lease of a local job (launcher pid {sleeper.pid} on {socket.gethostname()}) "
+            f"(pid {sleeper.pid} is another process now, not the launcher that took the lease)") in proc.stderr
+    holder = lease.read(run_dir)
+    assert holder is not None and holder.pid != sleeper.pid and holder.start_ticks is not None
+
+
+@pytest.mark.parametrize("key", ["start_ticks", "boot_id", "since"])
+def test_a_lease_holds_only_while_its_pid_is_the_process_that_took_it(
+    tmp_path: Path, sleeper: subprocess.Popen[bytes], key: str
+) -> None:
+    """The lease's pid is live (a `sleep`): its start time, its boot or, in a lease of an older gpujobs that
+    records neither, the time the lease was taken say whether it is the holder; pid alone says nothing."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    held = {"holder": "local", "host": socket.gethostname(), "pid": sleeper.pid, "job_id": None,
+            "since": time.time(), "start_ticks": process_start(sleeper.pid), "boot_id": boot_id()}
+    if key == "since":  # a lease of an older gpujobs: neither start time nor boot; taken before the pid started
+        del held["start_ticks"], held["boot_id"]
+    other = {"start_ticks": "1", "boot_id": "00000000-0000-0000-0000-000000000000", "since": held["since"] - 60}
+    stale = {**held, key: other[key]}
+    (run_dir / lease.LEASE_FILE).write_text(json.dumps(stale))
+    judged = lease.check_free(run_dir)
+    assert judged is not None and judged.pid == sleeper.pid
+    (run_dir / lease.LEASE_FILE).write_text(json.dumps(held))
+    with pytest.raises(lease.LeaseHeld, match=f"in use by a local job \\(launcher pid {sleeper.pid} .*\\(running\\)"):
+        lease.check_free(run_dir)
 
 
 def _take(run_dir: Path, go: Any, won: Any, done: Any) -> None:

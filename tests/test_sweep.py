@@ -66,6 +66,23 @@ def test_slurm_points_cannot_share_a_fixed_prometheus_port() -> None:
         SweepPlan(Path("/runs/sweep"), points).check_together()
 
 
+@pytest.mark.parametrize(("first", "second"), [("a", "a/b"), ("a/b", "a")])
+def test_a_point_inside_another_points_run_dir_or_around_it_is_refused(tmp_path: Path, first: str, second: str) -> None:
+    """One run dir inside another's: its files would lie among the other point's (its checkpoints/, its
+    submitit/), and `status` of the outer point would read a dir that is not its own."""
+    job = compose_job("+experiment=rec", "+debug=tiny", "cluster=local")
+    sweep_dir = tmp_path / "sweep"
+    plan = SweepPlan(sweep_dir)
+    plan.add(job, sweep_dir / first, 0, [])
+    with pytest.raises(ConfigError) as refused:
+        plan.add(job, sweep_dir / second, 1, [])
+    assert str(refused.value) == (
+        f"hydra.sweep.subdir='{second}' is invalid: allowed a dir per point inside the sweep dir {sweep_dir} (the "
+        f"default is ${{hydra.job.num}}): points #0 and #1 would nest their run dirs {sweep_dir / first} and "
+        f"{sweep_dir / second}")
+    assert [point.num for point in plan.points] == [0]
+
+
 def test_array_script_matches_the_golden_file() -> None:
     job = compose_job(
         "+experiment=rec", "cluster=slurm", "cluster.partition=debug", "cluster.time=00:30:00",
@@ -353,6 +370,29 @@ def test_a_local_sweep_run_again_with_another_value_is_refused_before_any_point_
     assert line.startswith(f"gpujobs: config error: hydra.run.dir='{sweep_dir}' is invalid: allowed a run dir, "
                            "not a sweep dir (it holds sweep.json"), line
     assert files_of(sweep_dir) == before
+
+
+@pytest.mark.parametrize(("sweeper", "subdir", "why"), [
+    ("gpujobs", "same", "points #0 and #1 would both run in {sweep}/same (sweep point #1: "),
+    ("basic", "same", "points #0 and #1 would both run in {sweep}/same (sweep point #1: "),
+    ("gpujobs", ".", "point #0 would run on the sweep dir itself (sweep point #0: "),
+    ("basic", "../out", "point #0 would run in {tmp}/out, outside it (sweep point #0: "),
+])
+def test_a_subdir_that_is_no_dir_of_its_own_inside_the_sweep_dir_is_refused_before_anything_runs(
+    tmp_path: Path, sweeper: str, subdir: str, why: str
+) -> None:
+    """Two points in one run dir: locally the second would find the first's result ("completed already",
+    its AUC shown under the second's optim.lr), on Slurm both would write one config.yaml. The basic
+    sweeper's Hydra makes each point's dir before the point is planned: it is taken back too."""
+    sweep_dir = tmp_path / "sweep"
+    proc = sweep(sweep_dir, "+experiment=rec", "+debug=tiny", "cluster=local", "trainer.max_steps=2",
+                 f"hydra/sweeper={sweeper}", f"hydra.sweep.subdir={subdir}", "optim.lr=1e-3,3e-3", env={})
+    line = refusal(proc)
+    assert line.startswith(f"gpujobs: config error: hydra.sweep.subdir='{subdir}' is invalid: allowed a dir per "
+                           f"point inside the sweep dir {sweep_dir} (the default is ${{hydra.job.num}}): "
+                           f"{why.format(sweep=sweep_dir, tmp=tmp_path)}"), line
+    assert "sweep point #" not in proc.stdout, proc.stdout  # no point ran
+    assert list(tmp_path.iterdir()) == []  # no sweep dir, no point dirs, nothing outside
 
 
 @pytest.mark.slurm

@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -87,9 +88,32 @@ class SweepPlan:
     def add(self, job: JobConfig, run_dir: Path, num: int, overrides: list[str]) -> None:
         """Validate one point against where it will run (ConfigError/SubmitError if it cannot) and against
         its run dir, as a single run is (`check_start`: a rerun of the sweep with other values), and keep it."""
+        self._check_place(run_dir, num)
         preflight(job, self._cluster_cache)
         check_start(job, run_dir, "hydra.sweep.subdir")
         self.points.append(Point(num, list(overrides), job, run_dir))
+
+    def _check_place(self, run_dir: Path, num: int) -> None:
+        """Refuse a point whose run dir is not a dir of its own inside the sweep dir (ConfigError on
+        hydra.sweep.subdir): on the sweep dir or outside it the point is no point of this sweep; sharing
+        an earlier point's run dir (or lying inside it, or around it), two points would write one
+        config.yaml on Slurm, and a local one would find the other's result and call itself completed."""
+        sweep_dir, place = self.sweep_dir.resolve(), run_dir.resolve()
+        wrong: Optional[str] = None
+        if place == sweep_dir:
+            wrong = f"point #{num} would run on the sweep dir itself"
+        elif not place.is_relative_to(sweep_dir):
+            wrong = f"point #{num} would run in {run_dir}, outside it"
+        for other in self.points:
+            theirs = other.run_dir.resolve()
+            if place == theirs:
+                wrong = f"points #{other.num} and #{num} would both run in {run_dir}"
+            elif place.is_relative_to(theirs) or theirs.is_relative_to(place):
+                wrong = f"points #{other.num} and #{num} would nest their run dirs {other.run_dir} and {run_dir}"
+        if wrong:
+            subdir = os.path.relpath(os.path.abspath(run_dir), os.path.abspath(self.sweep_dir))  # as the user wrote it
+            raise ConfigError("hydra.sweep.subdir", subdir, f"a dir per point inside the sweep dir {self.sweep_dir} "
+                              f"(the default is ${{hydra.job.num}}): {wrong}")
 
     def check_together(self) -> None:
         """Refuse what the points cannot do side by side: Slurm may pack the points of a sweep onto one

@@ -29,6 +29,7 @@ from typing import Any, Optional
 from gpujobs.atomic import write_json_atomic
 from gpujobs.run.heartbeat import STACKS_SIGNAL, stacks_path
 from gpujobs.rundir import HANGS_DIR, HEARTBEAT_DIR
+from gpujobs.rundir.process import process_start as process_start  # moved down a layer: the lease uses it
 
 _PY_SPY_TIMEOUT_S = 20.0
 _FAULTHANDLER_WAIT_S = 3.0
@@ -61,15 +62,6 @@ def _state(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
         return ""
-
-
-def process_start(pid: int) -> Optional[str]:
-    """When `pid` started (clock ticks since boot, from /proc), or None: with the pid, names one process,
-    not whichever later reuses its number."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
 
 
 def alive(pid: int) -> bool:

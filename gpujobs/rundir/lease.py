@@ -1,9 +1,10 @@
 """One job per run dir: the lease file `lease.json` says which job runs it (torch-free; both sides use it).
 
-The lease names its holder: a Slurm job id, or a local launcher (host and pid). Whether it is live is
-asked of the holder itself, never of a clock: the Slurm job's state (`squeue`), or the launcher's pid
-on its host. So a lease needs no heartbeat and no release: once its job is gone it is stale, and the
-next job takes it over with a log line.
+The lease names its holder: a Slurm job id, or a local launcher (host, pid, the pid's start time and
+the boot: a pid alone may be an unrelated process after a reboot or in a container). Whether it is
+live is asked of the holder itself, never of a clock: the Slurm job's state (`squeue`), or the
+launcher's process on its host. So a lease needs no heartbeat and no release: once its job is gone it
+is stale, and the next job takes it over with a log line.
 
 Why a file and not `flock`/`fcntl`: a Slurm job's lease must hold from `sbatch` until the job ends,
 across requeues and while it is pending, when no process of it exists to hold a lock; and POSIX locks
@@ -28,8 +29,13 @@ from typing import Optional
 from gpujobs.atomic import fsync_path, write_text_atomic
 from gpujobs.errors import GpujobsError
 from gpujobs.rundir import LEASE_FILE
+from gpujobs.rundir.process import boot_id, process_start, started_at
 
 log = logging.getLogger(__name__)
+
+#: How much later than a lease's `since` its pid may seem to have started and still be its holder: a
+#: start time from /proc is of whole seconds of boot time, and the wall clock may have been stepped since.
+_CLOCK_SLACK_S = 2.0
 
 #: Slurm states in which a job may still run (or is running) in its run dir.
 LIVE_STATES = {
@@ -54,6 +60,11 @@ class Lease:
     job_id: Optional[str] = None
     """The Slurm job id (`A_i` for a task of an array)."""
     since: float = 0.0
+    start_ticks: Optional[str] = None
+    """When process `pid` started (`process_start`): with `boot_id`, a later process of that pid is not
+    the holder. None in a lease of an older gpujobs: a process of that pid started after `since` is not."""
+    boot_id: Optional[str] = None
+    """The boot of `host` the process ran in (/proc/sys/kernel/random/boot_id)."""
 
     def describe(self) -> str:
         """How an error line names the holder."""
@@ -65,7 +76,8 @@ class Lease:
 def here(job_id: Optional[str] = None, *, submitting: bool = False) -> Lease:
     """A lease for this process: Slurm job `job_id`, a submit process about to queue one, or a local launcher."""
     holder = "slurm" if job_id else "submitting" if submitting else "local"
-    return Lease(holder, socket.gethostname(), os.getpid(), job_id, round(time.time(), 3))
+    pid = os.getpid()
+    return Lease(holder, socket.gethostname(), pid, job_id, round(time.time(), 3), process_start(pid), boot_id())
 
 
 def read(run_dir: Path) -> Optional[Lease]:
@@ -112,14 +124,23 @@ def live(lease: Lease) -> tuple[bool, str]:
         return state in LIVE_STATES, state or "gone from squeue"
     if lease.host != socket.gethostname():
         return True, f"a process on {lease.host}, which this host cannot check"
-    alive = _pid_alive(lease.pid)
-    return alive, "running" if alive else "its launcher is gone"
+    if not _pid_alive(lease.pid):
+        return False, "its launcher is gone"
+    if lease.boot_id is not None and lease.boot_id != boot_id():
+        return False, f"{lease.host} has booted since: pid {lease.pid} is another process now"
+    if lease.start_ticks is not None and lease.start_ticks != process_start(lease.pid):
+        return False, f"pid {lease.pid} is another process now, not the launcher that took the lease"
+    started = started_at(lease.pid) if lease.start_ticks is None and lease.since else None
+    if started is not None and started > lease.since + _CLOCK_SLACK_S:  # an older gpujobs' lease: by its time
+        return False, f"pid {lease.pid} is another process now, started after the lease was taken"
+    return True, "running"
 
 
 def _same_holder(a: Lease, b: Lease) -> bool:
     if a.job_id is not None or b.job_id is not None:
         return a.job_id == b.job_id  # every rank and every requeue of a Slurm job is that job
-    return (a.host, a.pid) == (b.host, b.pid)
+    # a stale lease naming a pid that this process now has (a container's launcher after a reboot) is not ours
+    return (a.host, a.pid, a.start_ticks, a.boot_id) == (b.host, b.pid, b.start_ticks, b.boot_id)
 
 
 def _settled(run_dir: Path, wait_s: float) -> Optional[Lease]:
@@ -138,18 +159,24 @@ def check_free(run_dir: Path, me: Optional[Lease] = None, wait_s: float = 0.0) -
 
     `wait_s`: how long a Slurm job waits for its submitter to hand it the lease.
     """
+    stale = _judge(run_dir, me, wait_s)
+    return stale[0] if stale is not None else None
+
+
+def _judge(run_dir: Path, me: Optional[Lease], wait_s: float) -> Optional[tuple[Lease, str]]:
+    """`check_free`, with why the lease it returns is stale."""
     lease = _settled(run_dir, wait_s)
     if lease is None or (me is not None and _same_holder(lease, me)):
         return None
     if lease.holder == "submitting" and wait_s > 0:
-        return lease  # its submitter never handed it to a job: the submission failed or died midway
+        return lease, "its submitter never handed it to a job: the submission failed or died midway"
     is_live, why = live(lease)
     if is_live:
         raise LeaseHeld(
             f"run dir {run_dir} is in use by {lease.describe()} ({why}): one job per run dir; wait for it, cancel "
             "it, or use another run dir (hydra.run.dir=...)"
         )
-    return lease
+    return lease, why
 
 
 def acquire(run_dir: Path, me: Lease, wait_s: float = 0.0) -> None:
@@ -159,7 +186,8 @@ def acquire(run_dir: Path, me: Lease, wait_s: float = 0.0) -> None:
     """
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / LEASE_FILE
-    stale = check_free(run_dir, me, wait_s)
+    judged = _judge(run_dir, me, wait_s)
+    stale = judged[0] if judged is not None else None
     current = read(run_dir)
     if stale is None and current is not None and _same_holder(current, me):
         return  # already ours (a requeue, another rank of this job): nothing to write
@@ -167,8 +195,8 @@ def acquire(run_dir: Path, me: Lease, wait_s: float = 0.0) -> None:
         if not _move_aside(run_dir, stale):
             acquire(run_dir, me, wait_s)  # another taker was first: judge its lease (live: refused)
             return
-        if stale is not None:
-            log.warning("run dir %s: taking over the stale lease of %s", run_dir, stale.describe())
+        if judged is not None:
+            log.warning("run dir %s: taking over the stale lease of %s (%s)", run_dir, judged[0].describe(), judged[1])
     tmp = run_dir / f".{LEASE_FILE}.{uuid.uuid4().hex}"
     tmp.write_text(_text(me))
     try:
