@@ -219,15 +219,16 @@ class JsonlTail:
 class JsonlAppender:
     """A JSON-lines file held open for appending records, each on a line of its own (a context manager).
 
-    After a writer that died mid-line the file ends without a newline: one is written at open (and after
-    an append of ours that failed part way), so the torn line stays alone, skipped by readers, instead of
-    swallowing the next record. From then on an append is one `write` on an `O_APPEND` descriptor. A link
-    in the file's place is refused (its target is never written), as is anything but a regular file.
+    After a writer that died mid-line the file ends without a newline: one is written at open, so the torn
+    line stays alone, skipped by readers, instead of swallowing the next record. From then on an append is
+    one `write` on an `O_APPEND` descriptor; one that failed part way (a full disk) is finished by the next
+    append, which writes the rest first. A link in the file's place is refused (its target is never
+    written), as is anything but a regular file.
     """
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._torn = False  # whether an append of ours may have left part of a line
+        self._rest = b""  # what an append that failed part way did not write
         self._fd = _open_jsonl(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, "written")
         try:
             self._end_torn_line()
@@ -244,14 +245,14 @@ class JsonlAppender:
     def append(self, records: Iterable[dict[str, Any]], sort_keys: bool = False, durable: bool = False) -> None:
         """Append `records` in one write (readers never see part of them, unless the write fails part way);
         `durable`: fsynced too (the directory entry of a new file is the caller's to fsync)."""
-        data = b"".join(json.dumps(record, sort_keys=sort_keys).encode() + b"\n" for record in records)
-        if self._torn:
-            self._end_torn_line()
-        self._torn = True
-        written = os.write(self._fd, data)
-        while written < len(data):  # a short write (a signal, a nearly full disk): the rest follows
-            written += os.write(self._fd, data[written:])
-        self._torn = False
+        data = self._rest + b"".join(json.dumps(record, sort_keys=sort_keys).encode() + b"\n" for record in records)
+        written = 0
+        try:
+            while written < len(data):  # a short write (a signal, a nearly full disk): the rest follows
+                written += os.write(self._fd, data[written:])
+        finally:
+            # part of a line in the file: its rest goes first next time; none: what failed was not appended
+            self._rest = data[written:] if written or self._rest else b""
         if durable:
             os.fsync(self._fd)
 
@@ -265,7 +266,6 @@ class JsonlAppender:
         size = os.fstat(self._fd).st_size
         if size > 0 and os.pread(self._fd, 1, size - 1) != b"\n":
             os.write(self._fd, b"\n")
-        self._torn = False
 
 
 def append_jsonl(path: Path, record: dict[str, Any], durable: bool = False) -> None:
