@@ -1,15 +1,20 @@
 """Writes that matter are atomic: temp file, fsync, rename, fsync the directory (torch-free).
 
-JSON-lines files are read back whole lines only: a last line cut short by a crash is skipped.
+JSON-lines files are read back whole lines only: a last line cut short by a crash is skipped, and so is
+a line holding a number JSON cannot hold (1e999, NaN, Infinity). They are read and written as regular
+files only: a symbolic link in a file's place is not followed (its target is never read or written), and
+a FIFO or a device there is a GpujobsError naming the file, never a reader or writer blocked on it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import secrets
-from collections.abc import Iterator
+import stat
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Optional
 
@@ -95,11 +100,64 @@ def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
     write_text_atomic(path, json.dumps(payload, indent=2, sort_keys=True) + "\n")
 
 
-def jsonl_record(line: str | bytes) -> Optional[dict[str, Any]]:
-    """One JSON-lines line as a record, or None for a line that is not one (cut short, or garbage)."""
+#: What stands where a JSON-lines file belongs, when it is no regular file.
+_NOT_A_FILE = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a device",
+               stat.S_IFBLK: "a device", stat.S_IFSOCK: "a socket", stat.S_IFLNK: "a symbolic link"}
+
+
+def _no_regular_file(path: Path, mode: int, doing: str) -> GpujobsError:
+    kind = _NOT_A_FILE.get(stat.S_IFMT(mode), "no regular file")
+    unfollowed = " (gpujobs does not follow it)" if stat.S_ISLNK(mode) else ""
+    return GpujobsError(f"{path} cannot be {doing}: it is {kind}, not a regular file{unfollowed}")
+
+
+def _open_jsonl(path: Path, flags: int, doing: str) -> int:
+    """A descriptor of the JSON-lines file `path`, or a GpujobsError naming it when it is no regular file
+    or cannot be opened (`doing`: "read" or "written"); FileNotFoundError passes.
+
+    `O_NOFOLLOW`: a link planted in the file's place fails here, so its target is never touched.
+    `O_NONBLOCK`: opening a FIFO returns at once (it does nothing to a regular file), and fstat refuses it.
+    """
     try:
-        record = json.loads(line)
-    except ValueError:  # JSONDecodeError, or bytes that are not UTF-8 (a tear inside a character)
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o666)
+    except FileNotFoundError:
+        raise
+    except OSError as err:
+        # a link (ELOOP), a directory opened to write (EISDIR), a socket (ENXIO): say which
+        try:
+            mode = os.lstat(path).st_mode
+        except OSError:
+            mode = stat.S_IFREG
+        if not stat.S_ISREG(mode):
+            raise _no_regular_file(path, mode, doing) from None
+        raise GpujobsError(f"{path} cannot be {doing}: {err.strerror}") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise _no_regular_file(path, mode, doing)
+    return fd
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e999: no float holds it, and no reader's arithmetic survives inf
+        raise ValueError(f"{text} is out of range")
+    return value
+
+
+def _not_a_number(name: str) -> float:
+    raise ValueError(f"{name} is no JSON number")
+
+
+_DECODER = json.JSONDecoder(parse_float=_finite, parse_constant=_not_a_number)
+
+
+def jsonl_record(line: str | bytes) -> Optional[dict[str, Any]]:
+    """One JSON-lines line as a record, or None for a line that is not one (cut short, garbage, or holding
+    a number that is not finite: 1e999, NaN, Infinity)."""
+    try:
+        record = _DECODER.decode(line.decode() if isinstance(line, bytes) else line)
+    except ValueError:  # JSONDecodeError, a number refused above, or bytes that are not UTF-8 (a torn character)
         return None
     return record if isinstance(record, dict) else None
 
@@ -108,13 +166,16 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     """Every complete record of a JSON-lines file, oldest first ([] when it does not exist).
 
     A line cut short by a crash, or any other line that is not a JSON object, is skipped. A file that is
-    there but cannot be read (a directory in its place, no permission) is a GpujobsError naming it: its
-    records would be missing without a word.
+    there but cannot be read (no regular file in its place, no permission) is a GpujobsError naming it:
+    its records would be missing without a word.
     """
     try:
-        data = path.read_bytes()
+        fd = _open_jsonl(path, os.O_RDONLY, "read")
     except FileNotFoundError:
         return []
+    try:
+        with open(fd, "rb") as handle:
+            data = handle.read()
     except OSError as err:
         raise GpujobsError(f"{path} cannot be read: {err.strerror}") from None
     return [record for line in data.splitlines() if (record := jsonl_record(line)) is not None]
@@ -125,6 +186,7 @@ class JsonlTail:
 
     A line is taken once it ends with a newline: one still being written is read when complete; a
     complete line that is no JSON object is skipped. A file that shrank was replaced: it is read anew.
+    No regular file in its place is a GpujobsError, as for `read_jsonl`.
     """
 
     def __init__(self, path: Path, from_end: bool = False) -> None:
@@ -137,10 +199,10 @@ class JsonlTail:
     def poll(self) -> Iterator[dict[str, Any]]:
         """New complete records since the last call."""
         try:
-            handle = open(self.path, "rb")  # noqa: SIM115 (closed below; bytes: the offset counts bytes)
+            fd = _open_jsonl(self.path, os.O_RDONLY, "read")
         except FileNotFoundError:
             return
-        with handle:
+        with open(fd, "rb") as handle:  # bytes: the offset counts bytes
             if handle.seek(0, os.SEEK_END) < self._offset:
                 self._offset = 0
             handle.seek(self._offset)
@@ -154,20 +216,62 @@ class JsonlTail:
                     yield record
 
 
-def append_jsonl(path: Path, record: dict[str, Any], durable: bool = False) -> None:
-    """Append `record` as one line (flushed; with `durable`, fsynced with its directory), on a line of its own.
+class JsonlAppender:
+    """A JSON-lines file held open for appending records, each on a line of its own (a context manager).
 
-    After a writer that died mid-line the file ends without a newline: one is written first, so the
-    torn line stays alone (and is skipped by readers) instead of swallowing this record.
+    After a writer that died mid-line the file ends without a newline: one is written at open, so the torn
+    line stays alone, skipped by readers, instead of swallowing the next record. From then on an append is
+    one `write` on an `O_APPEND` descriptor; one that failed part way (a full disk) is finished by the next
+    append, which writes the rest first. A link in the file's place is refused (its target is never
+    written), as is anything but a regular file.
     """
-    with open(path, "ab+") as handle:
-        if handle.seek(0, os.SEEK_END) > 0:
-            handle.seek(-1, os.SEEK_END)
-            if handle.read(1) != b"\n":
-                handle.write(b"\n")
-        handle.write(json.dumps(record, sort_keys=True).encode() + b"\n")
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._rest = b""  # what an append that failed part way did not write
+        self._fd = _open_jsonl(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, "written")
+        try:
+            self._end_torn_line()
+        except BaseException:
+            os.close(self._fd)
+            raise
+
+    def __enter__(self) -> JsonlAppender:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def append(self, records: Iterable[dict[str, Any]], sort_keys: bool = False, durable: bool = False) -> None:
+        """Append `records` in one write (readers never see part of them, unless the write fails part way);
+        `durable`: fsynced too (the directory entry of a new file is the caller's to fsync)."""
+        data = self._rest + b"".join(json.dumps(record, sort_keys=sort_keys).encode() + b"\n" for record in records)
+        written = 0
+        try:
+            while written < len(data):  # a short write (a signal, a nearly full disk): the rest follows
+                written += os.write(self._fd, data[written:])
+        finally:
+            # part of a line in the file: its rest goes first next time; none: what failed was not appended
+            self._rest = data[written:] if written or self._rest else b""
         if durable:
-            handle.flush()
-            os.fsync(handle.fileno())
+            os.fsync(self._fd)
+
+    def close(self) -> None:
+        """Close the file (appending after this is an error)."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def _end_torn_line(self) -> None:
+        size = os.fstat(self._fd).st_size
+        if size > 0 and os.pread(self._fd, 1, size - 1) != b"\n":
+            os.write(self._fd, b"\n")
+
+
+def append_jsonl(path: Path, record: dict[str, Any], durable: bool = False) -> None:
+    """Append `record` as one line, keys sorted (with `durable`, fsynced with its directory), on a line of
+    its own (`JsonlAppender`)."""
+    with JsonlAppender(path) as out:
+        out.append([record], sort_keys=True, durable=durable)
     if durable:
         fsync_path(path.parent)

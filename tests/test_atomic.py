@@ -1,4 +1,5 @@
-"""The ledger's atomic writes under real faults: a full filesystem, a planted temp name, a link."""
+"""The ledger's atomic writes under real faults: a full filesystem, a planted temp name, a link; and its
+JSON-lines appends, which never write through a link planted in a file's place."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ from pathlib import Path
 import pytest
 from test_faults import fill, small_disk
 
-from gpujobs.atomic import write_text_atomic
+from gpujobs.atomic import append_jsonl, write_text_atomic
+from gpujobs.errors import GpujobsError
+from gpujobs.run.metrics import MetricsLog
+from gpujobs.rundir.files import record_submission
 
 
 def test_a_write_on_a_full_disk_keeps_the_old_file_and_leaves_no_temp(tmp_path: Path) -> None:
@@ -48,3 +52,18 @@ def test_the_new_file_takes_the_umask_like_any_other(tmp_path: Path) -> None:
     finally:
         os.umask(old)
     assert (tmp_path / "status.json").stat().st_mode & 0o777 == 0o640
+
+
+def test_a_link_planted_in_place_of_a_jsonl_file_is_refused_and_its_target_untouched(tmp_path: Path) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.write_text("theirs\n")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    refused = "cannot be written: it is a symbolic link, not a regular file \\(gpujobs does not follow it\\)$"
+    for name, append in [("metrics.jsonl", lambda path: MetricsLog(path).write({"kind": "train", "step": 1})),
+                         ("attempts.jsonl", lambda path: append_jsonl(path, {"attempt": 1}, durable=True)),
+                         ("slurm_jobs.jsonl", lambda path: record_submission(run_dir, "41", tmp_path / "logs"))]:
+        (run_dir / name).symlink_to(elsewhere)
+        with pytest.raises(GpujobsError, match=f"^{run_dir / name} {refused}"):
+            append(run_dir / name)
+        assert elsewhere.read_text() == "theirs\n" and (run_dir / name).is_symlink()

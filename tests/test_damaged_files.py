@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -27,6 +29,10 @@ TINY = ("+experiment=rec", "+debug=tiny", "cluster=local")
 COMMANDS = (("status",), ("cost",), ("logs",), ("cancel",), ("resubmit", "--failed"))
 #: Ways a file cannot be read: a directory in its place; and, unless we are root, no permission.
 UNREADABLE = ("directory", *(("no permission",) if os.geteuid() != 0 else ()))
+#: What else may stand where a JSON-lines file belongs, and what the commands say of it: a FIFO (which
+#: blocks whoever opens it to read), a link planted there (never followed).
+NOT_FILES = {"FIFO": "it is a FIFO, not a regular file",
+             "link": "it is a symbolic link, not a regular file (gpujobs does not follow it)"}
 
 
 def one_line(proc: object, starts: str) -> str:
@@ -131,3 +137,46 @@ def test_a_jsonl_file_that_cannot_be_read_is_one_line_naming_it(tmp_path: Path, 
         # resubmit reads the attempts (which failed) and the submissions, not the metrics
         for command in (("status",), ("cost",), *((("resubmit", "--failed"),) if name != "metrics.jsonl" else ())):
             one_line(gpujobs(*command, str(run_dir), env={}), f"gpujobs: {run_dir / name} cannot be read: ")
+
+
+@pytest.mark.timeout(60)  # a command blocked on the FIFO fails the test instead of hanging the suite
+@pytest.mark.parametrize("name", ["attempts.jsonl", "metrics.jsonl", "slurm_jobs.jsonl"])
+def test_a_fifo_or_a_link_in_place_of_a_jsonl_file_is_one_line_never_a_hang(tmp_path: Path, name: str) -> None:
+    run_dir = failed_local_run(tmp_path / "run")
+    (run_dir / "metrics.jsonl").write_text(json.dumps({"kind": "train", "step": 1, "loss": 0.5,
+                                                        "samples_per_s": 10.0, "time": time.time()}) + "\n")
+    elsewhere = tmp_path / "elsewhere.jsonl"  # what a planted link points at: a file of records
+    elsewhere.write_bytes((run_dir / "attempts.jsonl").read_bytes() + (run_dir / "metrics.jsonl").read_bytes())
+    path = run_dir / name
+    for what, why in NOT_FILES.items():
+        path.unlink(missing_ok=True)
+        os.mkfifo(path) if what == "FIFO" else path.symlink_to(elsewhere)
+        before = snapshot(tmp_path)
+        # resubmit reads the attempts (which failed) and the submissions, not the metrics
+        for command in (("status",), ("cost",), *((("resubmit", "--failed"),) if name != "metrics.jsonl" else ())):
+            proc = subprocess.run([sys.executable, "-m", "gpujobs", *command, str(run_dir)], capture_output=True,
+                                  text=True, timeout=15, env={**os.environ, "COLUMNS": "200"})
+            one_line(proc, f"gpujobs: {path} cannot be read: {why}")
+        assert snapshot(tmp_path) == before
+
+
+def test_a_number_no_float_holds_skips_its_line_like_a_torn_one(tmp_path: Path) -> None:
+    """1e999 parses to inf, which no step count survives; NaN and Infinity are no JSON at all. The line
+    holding one is skipped; the rest of the file is read."""
+    run_dir = failed_local_run(tmp_path / "run")
+    good = {"kind": "train", "step": 1, "loss": 0.5, "samples_per_s": 10.0, "time": time.time(),
+            "step_time_s": [0.1, 0.1], "local_time_s": [0.08, 0.07]}
+    bad = ['{"kind": "eval", "step": 1e999, "auc": 0.7}',
+           '{"kind": "plan", "step": 1, "mode": "off", "reason": "start", "shares": [1.0], "counts": [1e999]}',
+           '{"kind": "eval", "step": 2, "auc": NaN}', '{"kind": "eval", "step": 3, "auc": -Infinity}']
+    (run_dir / "metrics.jsonl").write_text("\n".join([json.dumps(good), *bad]) + "\n")
+    for command in (("status",), ("cost",)):
+        proc = gpujobs(*command, str(run_dir), env={})
+        assert proc.returncode == 0 and proc.stderr == "", (command, proc.stderr)
+    assert "loss=0.5000" in gpujobs("status", str(run_dir), env={}).stdout  # the train line, not an eval's auc
+    plots = tmp_path / "plots"
+    report = subprocess.run([sys.executable, "-m", "gpujobs.report", str(run_dir), "--out", str(plots)],
+                            capture_output=True, text=True, timeout=60)
+    assert report.returncode == 0 and report.stderr == "", report.stderr
+    # the only plan line was the one with 1e999: no balance plot
+    assert report.stdout.splitlines()[-1] == f"plots: {plots}/loss.png, {plots}/throughput.png, {plots}/step_time.png"

@@ -15,6 +15,7 @@ import pytest
 from conftest import compose_job, submit
 from fake_nvml import FakeGpu, fake_nvml_env, install
 
+from gpujobs.atomic import read_jsonl
 from gpujobs.errors import ConfigError
 from gpujobs.launch.gpus import choose_local_gpus, local_gpu_count
 from gpujobs.run.gpu_sampler import GpuSampler
@@ -44,6 +45,37 @@ def test_sampler_writes_one_line_per_gpu_and_omits_unsupported_fields(
     assert first["throttle"] == ["sw_power_cap"]  # gpu_idle is not a throttle
     assert second["xid"] == [79] and "xid" not in lines[3]  # reported once, when it happened
     assert first["mem_used_mib"] == pytest.approx(1e9 / 2**20, rel=1e-3)
+
+
+def test_sampler_appends_after_a_torn_line_and_refuses_a_planted_link(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Another node's sampler died mid-line: this one's first sample starts a line of its own and is read
+    back whole. A link in gpu.jsonl's place is not written through: telemetry is off, and says why."""
+    install(monkeypatch, [FakeGpu(), FakeGpu()])
+    path = tmp_path / "gpu.jsonl"
+    path.write_text('{"node": "n2", "gpu": 0, "util_pct": 9')
+    seen: list[list[dict[str, object]]] = []
+    sampler = GpuSampler(path, 0.05, "n1", {0: 0, 1: 1}, sink=seen.append)
+    assert sampler.start()
+    deadline = time.monotonic() + 10
+    while not seen and time.monotonic() < deadline:
+        time.sleep(0.01)
+    sampler.stop()
+    samples = read_jsonl(path)
+    assert samples[:2] == seen[0] and len(samples) == 2 * len(seen)
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.write_text("theirs\n")
+    (tmp_path / "linked.jsonl").symlink_to(elsewhere)
+    caplog.set_level("INFO")
+    sampler = GpuSampler(tmp_path / "linked.jsonl", 0.05, "n1", {})
+    assert not sampler.start()
+    sampler.stop()
+    assert elsewhere.read_text() == "theirs\n"
+    assert [r.message for r in caplog.records] == [f"GPU telemetry off: {tmp_path / 'linked.jsonl'} cannot be "
+                                                   "written: it is a symbolic link, not a regular file (gpujobs "
+                                                   "does not follow it)"]
 
 
 def test_without_nvml_sampler_is_off_and_says_so_once(

@@ -20,12 +20,13 @@ from jobctl import RunningJob
 from test_sweep import TINY, array_of, gpujobs, job_ids, sweep, wait_final, wait_gone
 
 from gpujobs.atomic import read_jsonl
+from gpujobs.errors import GpujobsError
 from gpujobs.launch.follow import MetricsFollower
 from gpujobs.launch.manage import parse_sacct, sacct_state_of
 from gpujobs.run.metrics import MetricsLog
 from gpujobs.rundir.attempts import AttemptLog
 from gpujobs.rundir.files import read_submissions, record_cancel, record_submission, write_config
-from gpujobs.rundir.records import Result
+from gpujobs.rundir.records import Result, read_metrics
 
 #: What a crash leaves at the end of a JSON-lines file, and lines that are no record at all.
 TORN, GARBAGE = '{"step": 1, "loss": 0.', ("garbage\n", "[1, 2]\n", '{"step": 7, "loss": 0.5}}\n')
@@ -92,6 +93,28 @@ def test_records_appended_after_a_torn_line_are_kept(tmp_path: Path) -> None:
     assert [(s.job_id, s.logs, s.cancelled is not None) for s in read_submissions(tmp_path)] == [
         ("41_3", tmp_path / "submitit", False), ("41_3", None, True)]
     assert len(read_jsonl(tmp_path / "slurm_jobs.jsonl")) == 3  # the odd id is a record, just not a job
+
+
+def test_a_resume_plan_metrics_log_appends_after_a_torn_line_is_kept(tmp_path: Path) -> None:
+    """The previous attempt died mid-line: the next attempt's MetricsLog (its first record is the resume's
+    plan) starts a line of its own, and every record it writes is read back."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"kind": "train", "step": 5, "loss": 0.5, "samples_per_s": 9.0}\n' + TORN)
+    metrics = MetricsLog(path)
+    metrics.write({"kind": "plan", "step": 5, "mode": "static", "reason": "resume", "shares": [0.5, 0.5]})
+    metrics.write({"kind": "train", "step": 6, "loss": 0.4, "samples_per_s": 9.0})
+    metrics.close()
+    assert [(r.step, type(r).__name__) for r in read_metrics(tmp_path)] == [
+        (5, "TrainRecord"), (5, "PlanRecord"), (6, "TrainRecord")]
+    assert path.read_text().splitlines()[1] == TORN  # left alone, on a line of its own
+
+
+@pytest.mark.timeout(30)  # a follower blocked opening the FIFO fails the test instead of hanging the suite
+def test_a_follower_of_a_fifo_says_so_instead_of_blocking(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    os.mkfifo(path)
+    with pytest.raises(GpujobsError, match=f"^{path} cannot be read: it is a FIFO, not a regular file$"):
+        list(MetricsFollower(path).poll())
 
 
 def test_local_run_survives_garbage_in_its_metrics_and_the_tools_read_torn_files(tmp_path: Path) -> None:

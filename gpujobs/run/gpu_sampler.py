@@ -7,7 +7,6 @@ not feel it. Without NVML it logs one line and the job carries on without teleme
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -15,6 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional
 
+from gpujobs.atomic import JsonlAppender
+from gpujobs.errors import GpujobsError
 from gpujobs.nvml import NvmlUnavailable, VisibleGpu, XidWatcher, nvml_session, read_gpu, visible_gpus
 
 log = logging.getLogger(__name__)
@@ -68,34 +69,34 @@ class GpuSampler:
                     log.info("no visible GPU: GPU telemetry off")
                     self._started.set()
                     return
-                self.active = True
-                self._started.set()
-                log.info("GPU telemetry: %d GPU(s) every %.3g s into %s", len(gpus), self.interval_s, self.path)
-                xids = XidWatcher(nv, gpus)
-                try:
-                    self._loop(nv, gpus, xids)
-                finally:
-                    xids.close()
+                with JsonlAppender(self.path) as out:
+                    self.active = True
+                    self._started.set()
+                    log.info("GPU telemetry: %d GPU(s) every %.3g s into %s", len(gpus), self.interval_s, self.path)
+                    xids = XidWatcher(nv, gpus)
+                    try:
+                        self._loop(nv, gpus, xids, out)
+                    finally:
+                        xids.close()
         except NvmlUnavailable:
             log.info("no NVML: GPU telemetry off")
+        except GpujobsError as err:  # gpu.jsonl is no file we may append to (a link planted in its place)
+            log.warning("GPU telemetry off: %s", err)
         except Exception:  # telemetry must never take the job down
             log.exception("GPU telemetry failed; the job carries on without it")
         finally:
             self.active = False
             self._started.set()
 
-    def _loop(self, nv: Any, gpus: list[VisibleGpu], xids: XidWatcher) -> None:
-        with open(self.path, "a") as handle:
-            while True:
-                records = self.sample(nv, gpus, xids)
-                # one write per sample, flushed: readers never see half a sample, and the cost is
-                # one syscall per interval
-                handle.write("".join(json.dumps(r) + "\n" for r in records))
-                handle.flush()
-                if self.sink is not None:
-                    self.sink(records)
-                if self._stop.wait(self.interval_s):
-                    return
+    def _loop(self, nv: Any, gpus: list[VisibleGpu], xids: XidWatcher, out: JsonlAppender) -> None:
+        while True:
+            records = self.sample(nv, gpus, xids)
+            # one write per sample: readers never see half a sample, and the cost is one syscall per interval
+            out.append(records)
+            if self.sink is not None:
+                self.sink(records)
+            if self._stop.wait(self.interval_s):
+                return
 
     def sample(self, nv: Any, gpus: list[VisibleGpu], xids: XidWatcher) -> list[dict[str, Any]]:
         """One record per GPU: where it is, who uses it, and what it reads now."""

@@ -3,33 +3,35 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import time
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
+from gpujobs.atomic import JsonlAppender
+
 
 class MetricsLog:
-    """Appends one JSON object per line; each line is flushed so followers see it at once."""
+    """Appends one JSON object per line, each written at once so followers see it (`atomic.JsonlAppender`:
+    a line torn by an earlier attempt's crash is ended at open, a link in the file's place refused)."""
 
     def __init__(self, path: Optional[Path]) -> None:
         self.path = path
         # held open for the whole run (one line per log step); closed by `close`
-        self._handle = open(path, "a", buffering=1) if path is not None else None  # noqa: SIM115
+        self._out = JsonlAppender(path) if path is not None else None
 
     def write(self, record: dict[str, Any]) -> None:
         """Append `record` with a wall-clock timestamp (no-op on ranks other than 0)."""
-        if self._handle is None:
+        if self._out is None:
             return
-        self._handle.write(json.dumps({"time": round(time.time(), 3), **record}) + "\n")
+        self._out.append([{"time": round(time.time(), 3), **record}])
 
     def close(self) -> None:
         """Close the file."""
-        if self._handle is not None:
-            self._handle.close()
-            self._handle = None
+        if self._out is not None:
+            self._out.close()
+            self._out = None
 
 
 def param_digest(model: torch.nn.Module) -> str:

@@ -13,11 +13,10 @@ from __future__ import annotations
 import json
 import re
 import statistics
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
+from gpujobs.atomic import JsonlTail
 from gpujobs.rundir.records import EvalRecord, TrainRecord, metrics_record, read_metrics
 
 #: Per-rank series are logged for jobs of up to this many ranks; larger ones log max and median only
@@ -109,27 +108,22 @@ def flat_config(config: dict[str, Any]) -> dict[str, Union[str, float, bool]]:
     return out
 
 
-@dataclass
 class GpuTail:
     """The GPU samples appended to gpu.jsonl since the attempt began (every node's sampler appends there);
     `read` returns the newest reading of each GPU as series."""
 
-    path: Path
-    offset: int = 0
-    _partial: bytes = b""
+    def __init__(self, tail: JsonlTail) -> None:
+        self._tail = tail
 
     @classmethod
     def from_now(cls, path: Path) -> GpuTail:
         """Start at the file's end: earlier attempts' samples were theirs to log."""
-        try:
-            return cls(path, path.stat().st_size)
-        except OSError:
-            return cls(path, 0)
+        return cls(JsonlTail(path, from_end=True))
 
     def read(self) -> dict[str, float]:
         """The newest reading of each GPU sampled since the last call, as `gpu/<node>/gpu<i>/<field>` series."""
         latest: dict[tuple[str, str], dict[str, Any]] = {}
-        for sample in self._new_samples():
+        for sample in self._tail.poll():
             latest[(str(sample.get("node")), str(sample.get("gpu")))] = sample
         out: dict[str, float] = {}
         for (node, gpu), sample in sorted(latest.items()):
@@ -140,23 +134,5 @@ class GpuTail:
             if isinstance(sample.get("throttle"), list):
                 out[f"{prefix}/throttle_reasons"] = float(len(sample["throttle"]))
         return out
-
-    def _new_samples(self) -> Iterator[dict[str, Any]]:
-        try:
-            with open(self.path, "rb") as handle:
-                handle.seek(self.offset)
-                chunk = handle.read()
-        except OSError:
-            return
-        self.offset += len(chunk)
-        lines = (self._partial + chunk).split(b"\n")
-        self._partial = lines.pop()  # a sample still being written ends in the next read
-        for line in lines:
-            try:
-                sample = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(sample, dict):
-                yield sample
 
 
