@@ -24,7 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import SLOW, missing
+from conftest import SLOW, missing, read_result, sacct_state, slurm_job_id, submit
 from jobctl import RunningJob
 
 from gpujobs.nccl import NcclSettings
@@ -109,6 +109,27 @@ def test_a_rank_0_that_finds_every_port_taken_says_which(tmp_path: Path) -> None
     with pytest.raises(distributed.RendezvousError, match=said):
         distributed.rendezvous_store(info, meet, datetime.timedelta(seconds=5))
     taken.close()
+
+
+def test_a_slurm_job_whose_first_port_is_taken_on_its_node_meets_on_the_second(
+    run_dir: Path, slurm: dict[str, str]
+) -> None:
+    """Something that never answers holds the job's first port on this host (both of the cluster's nodes
+    are this host) from just after the job is queued: rank 0 moves to the second, rank 1 finds it there."""
+    proc = submit(run_dir, "+experiment=rec", "+debug=tiny", "cluster=slurm", "resources.nodes=2",
+                  "resources.procs_per_node=1", env=slurm)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    job_id = slurm_job_id(proc.stdout)
+    first = jobenv.port_for_job(job_id)
+    squatter = socket.create_server(("", first))  # bound before the ranks have even imported torch
+    try:
+        assert sacct_state(job_id, slurm, timeout=240) == "COMPLETED", proc.stdout
+    finally:
+        squatter.close()
+    assert read_result(run_dir)["world_size"] == 2
+    logs = "".join(path.read_text() for path in run_dir.rglob("*_0_log.err"))
+    second = jobenv.rendezvous_ports(job_id)[1]
+    assert f"rendezvous port {first} is taken on node1" in logs and f"rendezvous store on *:{second}" in logs, logs
 
 
 # ---------------------------------------------------------------- a local job's store, seen from another host
