@@ -146,8 +146,13 @@ def _host_store(info: DistInfo, meet: Rendezvous, timeout: datetime.timedelta) -
 def _listen(addr: str, port: int) -> socket.socket:
     """A listening socket on `addr` ("" is every interface, IPv6 too where the node has it)."""
     if addr == "" and socket.has_dualstack_ipv6():
-        return socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True,
-                                    backlog=socket.SOMAXCONN)
+        try:
+            return socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True,
+                                        backlog=socket.SOMAXCONN)
+        except OSError as err:
+            if err.errno == errno.EADDRINUSE:
+                raise
+            # IPv6 turned off on the node while the kernel still offers it: IPv4 alone, as torch would
     return socket.create_server((addr, port), backlog=socket.SOMAXCONN)
 
 
