@@ -26,8 +26,8 @@ from gpujobs.run.jobenv import DistInfo, Rendezvous, ephemeral_ports, export_tor
 
 log = logging.getLogger(__name__)
 
-#: How long a rank waits on one candidate port before it looks at the next: the store there may be
-#: another job's, or something that is no store at all and never answers.
+#: How long a rank first waits for an answer on one candidate port before it looks at the next: the store
+#: there may be another job's, or something that is no store at all and never answers.
 PROBE_S = 5.0
 
 
@@ -158,14 +158,17 @@ def _listen(addr: str, port: int) -> socket.socket:
 
 def _find_store(info: DistInfo, meet: Rendezvous, timeout: datetime.timedelta) -> tuple[dist.TCPStore, int]:
     deadline = time.monotonic() + timeout.total_seconds()
-    silent: set[int] = set()  # ports where something listens that never answered as a store
+    # A port where something listens but did not answer gets twice as long next time: it may be no store
+    # (each try leaves a thread waiting there), or this job's, on a rank 0 too loaded to answer in time.
+    waits = dict.fromkeys(meet.ports, PROBE_S)
     while time.monotonic() < deadline:
         for port in meet.ports:
-            if port in silent or not _listening(info.master_addr, port):
+            if not _listening(info.master_addr, port):
                 continue
-            store, answered = _store_client(info.master_addr, port, max(min(PROBE_S, deadline - time.monotonic()), 1))
+            wait_s = max(min(waits[port], deadline - time.monotonic()), 1.0)
+            store, answered = _store_client(info.master_addr, port, wait_s)
             if not answered:
-                silent.add(port)
+                waits[port] *= 2
             elif store is not None and _holds(store, meet.key):
                 store.set_timeout(timeout)
                 return store, port
