@@ -11,7 +11,6 @@ import contextlib
 import functools
 import os
 import signal
-import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +23,7 @@ from gpujobs.launch.follow import JobFollower
 from gpujobs.run import failures
 from gpujobs.run.evidence import descendants, kill_tree, process_start
 from gpujobs.run.hangs import HangReport, Watchdog
+from gpujobs.run.jobenv import free_port
 from gpujobs.run.payload import FromRunDir
 from gpujobs.run.script import record_completed
 from gpujobs.rundir.attempts import AttemptLog, Decision
@@ -43,13 +43,6 @@ def check_local_resources(job: JobConfig, gpus_here: int) -> None:
             else f"0..{gpus_here} (GPUs on this machine)"
         )
         raise ConfigError("resources.gpus_per_node", res.gpus_per_node, hint)
-
-
-def free_port() -> int:
-    """A TCP port nobody listens on right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def run_local(job: JobConfig, run_dir: Path) -> int:

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import errno
 import gc
+import logging
 import os
+import socket
+import threading
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -13,10 +18,21 @@ import torch
 import torch.distributed as dist
 
 from gpujobs.config import JobConfig
+from gpujobs.errors import GpujobsError
 from gpujobs.nccl import NcclSettings
 from gpujobs.run import collectives
 from gpujobs.run.evidence import nccl_debug_env
-from gpujobs.run.jobenv import DistInfo, export_torchrun_env
+from gpujobs.run.jobenv import DistInfo, Rendezvous, ephemeral_ports, export_torchrun_env
+
+log = logging.getLogger(__name__)
+
+#: How long a rank first waits for an answer on one candidate port before it looks at the next: the store
+#: there may be another job's, or something that is no store at all and never answers.
+PROBE_S = 5.0
+
+
+class RendezvousError(GpujobsError, RuntimeError):
+    """The ranks could not meet: rank 0 found every rendezvous port taken, or the others found no store."""
 
 
 def device_for(info: DistInfo) -> torch.device:
@@ -74,14 +90,128 @@ def init_process_group(
     if cuda:
         # the helpers and NCCL use the current device: each rank's own GPU, before the first collective
         torch.cuda.set_device(device_for(info))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = None if info.rendezvous is None else rendezvous_store(info, info.rendezvous, timeout)
     dist.init_process_group(
         backend=backend,
-        init_method="env://",
+        init_method="env://" if store is None else None,
+        store=store,
         rank=info.rank,
         world_size=info.world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
+        timeout=timeout,
     )
     return backend
+
+
+def rendezvous_store(info: DistInfo, meet: Rendezvous, timeout: datetime.timedelta) -> dist.TCPStore:
+    """The store the ranks meet at: rank 0 hosts it on the first of `meet.ports` it can bind, on
+    `meet.listen_addr` only (torch's own server would listen on every interface whatever MASTER_ADDR
+    says); the others look at each port in turn until they find a store holding `meet.key`. No rank
+    waits on another's choice: rank 0 binds or fails at once, and the others give up at `timeout`."""
+    if info.is_main:
+        store, port = _host_store(info, meet, timeout)
+    else:
+        store, port = _find_store(info, meet, timeout)
+    os.environ["MASTER_PORT"] = str(port)  # torchrun's variable says where the store really is
+    return store
+
+
+def _host_store(info: DistInfo, meet: Rendezvous, timeout: datetime.timedelta) -> tuple[dist.TCPStore, int]:
+    for port in meet.ports:
+        try:
+            listener = _listen(meet.listen_addr, port)
+        except OSError as err:
+            if err.errno != errno.EADDRINUSE:
+                raise
+            log.warning("rendezvous port %d is taken on %s: the other ranks look at the next one too",
+                        port, info.node)
+            continue
+        ephemeral = ephemeral_ports()
+        if port in ephemeral:  # this node's ip_local_port_range is not Linux's default
+            log.warning("rendezvous port %d lies in %s's ephemeral range %d-%d: a connection going out may "
+                        "hold it when a later job needs it", port, info.node, ephemeral[0], ephemeral[-1])
+        fd = listener.detach()  # the store's server owns the socket from here, and closes it
+        try:
+            store = dist.TCPStore(info.master_addr, port, info.world_size, True, timeout,
+                                  wait_for_workers=False, master_listen_fd=fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        store.set(meet.key, info.node)  # first: what tells the other ranks this store is this job's
+        log.info("rendezvous store on %s:%d", meet.listen_addr or "*", port)
+        return store, port
+    raise RendezvousError(f"every rendezvous port of this job is taken on {info.node}: {list(meet.ports)}")
+
+
+def _listen(addr: str, port: int) -> socket.socket:
+    """A listening socket on `addr` ("" is every interface, IPv6 too where the node has it)."""
+    if addr == "" and socket.has_dualstack_ipv6():
+        try:
+            return socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True,
+                                        backlog=socket.SOMAXCONN)
+        except OSError as err:
+            if err.errno == errno.EADDRINUSE:
+                raise
+            # IPv6 turned off on the node while the kernel still offers it: IPv4 alone, as torch would
+    return socket.create_server((addr, port), backlog=socket.SOMAXCONN)
+
+
+def _find_store(info: DistInfo, meet: Rendezvous, timeout: datetime.timedelta) -> tuple[dist.TCPStore, int]:
+    deadline = time.monotonic() + timeout.total_seconds()
+    # A port where something listens but did not answer gets twice as long next time: it may be no store
+    # (each try leaves a thread waiting there), or this job's, on a rank 0 too loaded to answer in time.
+    waits = dict.fromkeys(meet.ports, PROBE_S)
+    while time.monotonic() < deadline:
+        for port in meet.ports:
+            if not _listening(info.master_addr, port):
+                continue
+            wait_s = max(min(waits[port], deadline - time.monotonic()), 1.0)
+            store, answered = _store_client(info.master_addr, port, wait_s)
+            if not answered:
+                waits[port] *= 2
+            elif store is not None and _holds(store, meet.key):
+                store.set_timeout(timeout)
+                return store, port
+        time.sleep(0.2)
+    raise RendezvousError(f"no store of this job on {info.master_addr} at ports {list(meet.ports)} "
+                          f"within {timeout.total_seconds():.0f} s")
+
+
+def _listening(host: str, port: int) -> bool:
+    """Whether something accepts connections there (torch's client would retry and log until its timeout)."""
+    try:
+        socket.create_connection((host, port), timeout=PROBE_S).close()
+    except OSError:
+        return False
+    return True
+
+
+def _store_client(host: str, port: int, wait_s: float) -> tuple[Optional[dist.TCPStore], bool]:
+    """A client of the store at host:port (None where the connection failed), and whether whatever
+    listens there answered within `wait_s`. Built in a thread: torch's client waits for the server's
+    answer to its first query without a timeout, so something that listens there but is no store would
+    hold this rank forever."""
+    made: list[dist.TCPStore] = []
+
+    def connect() -> None:
+        # wait_for_workers=False: joining would count this rank in a store that may be another job's
+        with contextlib.suppress(dist.DistError):
+            made.append(dist.TCPStore(host, port, None, False, datetime.timedelta(seconds=wait_s),
+                                      wait_for_workers=False))
+
+    thread = threading.Thread(target=connect, name=f"rendezvous-probe-{port}", daemon=True)
+    thread.start()
+    thread.join(wait_s)
+    return (made[0] if made else None), not thread.is_alive()
+
+
+def _holds(store: dist.TCPStore, key: str) -> bool:
+    """Whether `key` is in the store, or comes within a second (rank 0 sets it just after it listens)."""
+    for _ in range(10):
+        if store.check([key]):
+            return True
+        time.sleep(0.1)
+    return False
 
 
 def destroy_process_group() -> None:

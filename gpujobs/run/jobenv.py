@@ -12,14 +12,25 @@ step's supervisor and the submit side can use it.
 from __future__ import annotations
 
 import os
+import random
 import re
 import socket
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
-# Ports a Slurm job's rendezvous may use; derived from the job id so that two jobs sharing
-# a node do not pick the same one (ids differ, so their ports differ unless ids collide mod range).
-_PORT_BASE, _PORT_RANGE = 20000, 30000
+# A Slurm job's rendezvous ports, derived from its job id: rank 0 listens on the first unless its node
+# has it taken, then on the second; the other ranks, which cannot ask, look at both. Both ranges lie
+# outside Linux's default ephemeral range (32768-60999), where a connection going out could take the port
+# before rank 0 listens on it; the second range is no job's first choice, so a retry takes no job's port.
+# Ranges of prime size: two plain jobs share a first port only when their ids are a multiple of it apart.
+_FIRST_BASE, _FIRST_RANGE = 20000, 12763  # 20000-32762
+_SECOND_BASE, _SECOND_RANGE = 61000, 4523  # 61000-65522
+# An array task's port moves by this much per array id and by one per task id: chosen (by search) so that
+# the tasks of arrays whose ids are close together stay apart: 10 consecutive ids with up to 878 tasks
+# each, or 100 with up to 107 tasks each, never share a first port (tests/test_rendezvous.py counts them).
+_ARRAY_STRIDE = 2377
+EPHEMERAL_PORTS_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 
 
 @dataclass(frozen=True)
@@ -33,6 +44,8 @@ class DistInfo:
     master_addr: str
     master_port: int
     node: str
+    rendezvous: Optional[Rendezvous] = None
+    """How the ranks meet when gpujobs runs them; None under torchrun, whose agent (or torch's env://) does it."""
 
     @property
     def is_main(self) -> bool:
@@ -40,10 +53,51 @@ class DistInfo:
         return self.rank == 0
 
 
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where a gpujobs job's ranks meet: rank 0 hosts the store, the others find it."""
+
+    ports: tuple[int, ...]
+    """Rank 0 listens on the first of these it can bind; the others try each in turn."""
+    listen_addr: str
+    """The address rank 0's store listens on: 127.0.0.1 for a local job, so that no other host reaches it;
+    "" (every interface) where ranks on other nodes must."""
+    key: str
+    """What rank 0 sets in its store first: a store on one of the ports without it is another job's."""
+
+
+def rendezvous_ports(job_id: str) -> tuple[int, int]:
+    """A Slurm job's first and second rendezvous ports, pure functions of its submitit id ("JOB" or
+    "ARRAY_TASK"), so that every rank derives them without asking (see `_FIRST_BASE`)."""
+    match = re.fullmatch(r"(\d+)(?:_(\d+))?", job_id)
+    if match is None:
+        raise ValueError(f"not a Slurm job id (JOB or ARRAY_TASK): {job_id!r}")
+    spread = int(match.group(1)) * _ARRAY_STRIDE + int(match.group(2) or 0)
+    return _FIRST_BASE + spread % _FIRST_RANGE, _SECOND_BASE + spread % _SECOND_RANGE
+
+
 def port_for_job(job_id: str) -> int:
-    """A rendezvous port that is a pure function of the job id."""
-    digits = "".join(ch for ch in job_id if ch.isdigit()) or "0"
-    return _PORT_BASE + int(digits) % _PORT_RANGE
+    """The rendezvous port a Slurm job's rank 0 tries first (`rendezvous_ports`)."""
+    return rendezvous_ports(job_id)[0]
+
+
+def ephemeral_ports() -> range:
+    """The ports this node's kernel hands to connections going out (ip_local_port_range)."""
+    low, high = EPHEMERAL_PORTS_FILE.read_text().split()
+    return range(int(low), int(high) + 1)
+
+
+def free_port() -> int:
+    """A port nobody listens on right now, from the first rendezvous range: outside the ephemeral range, a
+    connection going out cannot take it before the rank that was handed it listens on it."""
+    for port in random.sample(range(_FIRST_BASE, _FIRST_BASE + _FIRST_RANGE), 64):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise OSError(f"no free port among 64 tried in {_FIRST_BASE}-{_FIRST_BASE + _FIRST_RANGE - 1}")
 
 
 def node_name() -> str:
@@ -126,14 +180,18 @@ def _from_submitit(master_port: Optional[int], *, local: bool) -> DistInfo:
     import submitit
 
     job_env = submitit.JobEnvironment()
+    ports = (master_port,) if master_port else rendezvous_ports(job_env.job_id)
+    # a requeued Slurm job keeps its id: the attempt in the key keeps its ranks off a store left by the last
+    attempt = os.environ.get("SLURM_RESTART_COUNT", "0")
     return DistInfo(
         rank=job_env.global_rank,
         local_rank=job_env.local_rank,
         world_size=job_env.num_tasks,
         local_world_size=_local_world_size(job_env.num_tasks, job_env.num_nodes, job_env.node),
         master_addr="127.0.0.1" if local else job_env.hostnames[0],
-        master_port=master_port if master_port else port_for_job(job_env.job_id),
+        master_port=ports[0],
         node=node_name(),
+        rendezvous=Rendezvous(ports, "127.0.0.1" if local else "", f"gpujobs/{job_env.job_id}/{attempt}"),
     )
 
 
