@@ -33,6 +33,8 @@ DEFAULT_SIGNAL_LEAD_S = 120
 #: Slurm keeps --ntasks-per-node and --cpus-per-task in 16 bits, 65534 and 65535 meaning "unset" and "infinite".
 SLURM_MAX_PER_NODE = 65533
 _PER_NODE = "Slurm's --ntasks-per-node is 16-bit"
+#: torch.distributed numbers ranks, and counts them, in a C int.
+MAX_WORLD_SIZE = 2**31 - 1
 #: `--mem` is rendered in whole MiB (`--mem=0` would ask for the whole node), and sbatch reads the MiB
 #: count as a signed 64-bit integer.
 _MEM_GB = bounds(ge=1 / 1024, le=2**53, note="GB: at least 1 MiB, as --mem counts whole MiB")
@@ -154,7 +156,7 @@ class ResourcesConfig(Checked):
     """What one job asks for. One rank per GPU; CPU ranks (gloo) where there is no GPU."""
 
     nodes: int = field(default=1, metadata=bounds(ge=1))
-    """Number of nodes."""
+    """Number of nodes (their ranks, at most `MAX_WORLD_SIZE` in all; Slurm's partition bounds them at submit)."""
     gpus_per_node: int = field(default=0, metadata=bounds(ge=0, le=SLURM_MAX_PER_NODE, note=_PER_NODE))
     """GPUs per node; each gets one rank."""
     procs_per_node: Optional[int] = field(default=None, metadata=bounds(ge=1, le=SLURM_MAX_PER_NODE, note=_PER_NODE))
@@ -179,6 +181,10 @@ class ResourcesConfig(Checked):
         super().__post_init__()
         if self.min_nodes is not None and self.min_nodes > self.nodes:
             raise ConfigError("min_nodes", self.min_nodes, f"1..{self.nodes} (resources.nodes is the most)")
+        if self.world_size > MAX_WORLD_SIZE:  # ranks per node stop at 65533: only nodes take the world past it
+            most = MAX_WORLD_SIZE // self.ranks_per_node
+            raise ConfigError("nodes", self.nodes, f"at most {most} with {self.ranks_per_node} ranks a node "
+                                                   f"(torch.distributed counts ranks in a C int: {MAX_WORLD_SIZE})")
         gpus, procs = self.gpus_per_node, self.procs_per_node
         if gpus and procs is not None and procs > gpus:
             raise ConfigError(

@@ -270,6 +270,8 @@ def _loaded(*overrides: str) -> JobConfig:
         (("resources.procs_per_node=65534", "data.batch_size=1"), "resources.procs_per_node",
          ("resources.procs_per_node=65533", "data.batch_size=1")),  # 65533 rows of data.num_train=200000
         (("resources.nodes=391",), "resources.nodes", ("resources.nodes=390",)),  # 780 ranks x 256 <= 200000 rows
+        # no row count bounds Criteo's ranks at submit: torch's C int does (2 ranks a node)
+        ((*CRITEO[1:], "resources.nodes=1073741824"), "resources.nodes", (*CRITEO[1:], "resources.nodes=1073741823")),
         (("cluster.time=2",), "cluster.time", ("cluster.time=2:01",)),  # Slurm's 3 whole minutes > 120 s + 30 s
         (("resources.gpus_per_node=2", "resources.procs_per_node=3"), "resources.gpus_per_node",
          ("resources.gpus_per_node=2", "resources.procs_per_node=2")),
