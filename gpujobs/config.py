@@ -13,6 +13,7 @@ import dataclasses
 import importlib
 import re
 import typing
+from collections.abc import Collection
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -68,6 +69,7 @@ __all__ = [
     "TensorBoardConfig",
     "TrainerConfig",
     "load_config",
+    "override_keys",
     "parse_time_minutes",
 ]
 
@@ -75,6 +77,8 @@ __all__ = [
 _schemas: dict[type[Any], DictConfig] = {}
 _field_types: dict[type[Any], dict[str, tuple[Any, bool]]] = {}
 _NO_FIT: Any = object()  # what `_exact` returns for a value it cannot take as it is
+#: Rank counts a user may raise past what the rest of the config (the data) serves.
+_RANK_COUNTS = ("resources.nodes", "resources.procs_per_node", "resources.gpus_per_node")
 
 
 def _fields(schema: type[Any]) -> dict[str, tuple[Any, bool]]:
@@ -242,10 +246,28 @@ def _resolved(cfg: DictConfig) -> Any:
         raise ConfigError(key, written, f"an interpolation that resolves ({reason})") from None
 
 
-def load_config(cfg: DictConfig | dict[str, Any]) -> JobConfig:
-    """Validate a composed config and return it as typed objects. Raises ConfigError."""
+def load_config(cfg: DictConfig | dict[str, Any], user_keys: Collection[str] = ()) -> JobConfig:
+    """Validate a composed config and return it as typed objects. Raises ConfigError.
+
+    `user_keys` are the keys the user's overrides set (`override_keys`). An error about a key they did not
+    set that a rank count they did set causes (the data cannot serve so many ranks) names that count.
+    """
     raw: Any = _resolved(cfg) if isinstance(cfg, DictConfig) else dict(cfg)
     raw.pop("hydra", None)
+    try:
+        return _load(raw)
+    except ConfigError as err:
+        if err.key in user_keys:
+            raise
+        raise _blamed_on_ranks(raw, err, user_keys) from None
+
+
+def override_keys(overrides: Collection[str]) -> frozenset[str]:
+    """The keys a list of Hydra overrides sets (`+a.b=1`, `++a.b=1`, `~a.b` all name `a.b`)."""
+    return frozenset(text.lstrip("+~").split("=", 1)[0] for text in overrides)
+
+
+def _load(raw: dict[str, Any]) -> JobConfig:
     known = {f.name for f in dataclasses.fields(JobConfig)}
     for key in raw:
         if key not in known:
@@ -255,3 +277,32 @@ def load_config(cfg: DictConfig | dict[str, Any]) -> JobConfig:
     plugins = {key: _plugin(key, raw.get(key)) for key in PLUGINS}
     script = _section("script", ScriptConfig, raw["script"]) if raw.get("script") is not None else None
     return JobConfig(**top, **sections, **plugins, logger=_logger(raw.get("logger")), script=script)
+
+
+def _blamed_on_ranks(raw: dict[str, Any], err: ConfigError, user_keys: Collection[str]) -> ConfigError:
+    """`err` naming the rank count the user set instead, where the config loads with that count at 1: the
+    most it takes is then found by bisection (a rule such as rows per rank only tightens with more ranks)."""
+    resources = raw.get("resources")
+    if not isinstance(resources, dict):
+        return err
+    for key in _RANK_COUNTS:
+        name = key.partition(".")[2]
+        value = resources.get(name)
+        if key not in user_keys or type(value) is not int or value <= 1 or not _loads(raw, name, 1):
+            continue
+        most, over = 1, value
+        while over - most > 1:
+            mid = (most + over) // 2
+            most, over = (mid, over) if _loads(raw, name, mid) else (most, mid)
+        allowed = f"at most {most}, as the rest of the config stands ({err.key}={err.value!r} needs {err.allowed})"
+        return ConfigError(key, value, allowed)
+    return err
+
+
+def _loads(raw: dict[str, Any], name: str, count: int) -> bool:
+    """Whether `raw` loads with `resources.<name>` set to `count`."""
+    try:
+        _load({**raw, "resources": {**raw["resources"], name: count}})
+    except ConfigError:
+        return False
+    return True

@@ -54,6 +54,11 @@ TRISTATE_NCCL_VARS: frozenset[str] = frozenset(
 #: rank gets it as RUN_DIR/nccl/<name> (`NcclSettings.to_env`). NCCL_GRAPH_FILE and NCCL_TOPO_FILE are
 #: only read: they keep taking a path.
 OUTPUT_FILE_VARS: frozenset[str] = frozenset({"NCCL_DEBUG_FILE", "NCCL_GRAPH_DUMP_FILE", "NCCL_TOPO_DUMP_FILE"})
+#: Buffer sizes in bytes: NCCL reads each as a signed 64-bit integer and sizes its buffers by it (only its
+#: own -2 means "unset"), so a value <= 0 is no buffer at all. They take a positive count of bytes.
+BYTES_NCCL_VARS: frozenset[str] = frozenset({"NCCL_BUFFSIZE", "NCCL_LL_BUFFSIZE", "NCCL_LL128_BUFFSIZE"})
+_MAX_BYTES = 2**63 - 1
+_DIGITS = re.compile(r"[0-9]+")
 _TRUTH = {"1": "1", "true": "1", "yes": "1", "on": "1", "0": "0", "false": "0", "no": "0", "off": "0"}
 
 DEBUG_LEVELS = ("VERSION", "WARN", "INFO", "TRACE")
@@ -187,6 +192,10 @@ def _extra_value(key: str, value: object) -> str:
             three = " or 2" if key in TRISTATE_NCCL_VARS else ""
             raise ConfigError(f"extra.{key}", value, f"0 or 1{three} (true/false, yes/no, on/off for 1/0)")
         return normal
+    if key in BYTES_NCCL_VARS:
+        if not (_DIGITS.fullmatch(text) and 0 < int(text) <= _MAX_BYTES):
+            raise ConfigError(f"extra.{key}", value, f"a positive number of bytes, at most {_MAX_BYTES}")
+        return str(int(text))
     if key in OUTPUT_FILE_VARS:
         # a bare name: no directory of the user's choosing, and no way out of RUN_DIR/nccl/
         if not _FILE_NAME.fullmatch(text) or text in (".", ".."):

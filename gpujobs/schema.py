@@ -26,7 +26,7 @@ from gpujobs.schema_cluster import SLURM_LIMIT_CHECK_S as SLURM_LIMIT_CHECK_S
 from gpujobs.schema_cluster import SLURM_MAX_SIGNAL_LEAD_S as SLURM_MAX_SIGNAL_LEAD_S
 from gpujobs.schema_cluster import parse_time_minutes as parse_time_minutes
 from gpujobs.schema_trackers import LoggerConfig
-from gpujobs.validate import Checked, bounds, is_host
+from gpujobs.validate import NAME_MAX, Checked, bounds, is_host
 
 _TASK = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 #: The longest wait any consumer here takes: Python's sleep and Event.wait and torch's process-group
@@ -196,7 +196,8 @@ class TelemetryConfig(Checked):
     """Rank 0 serves metrics for Prometheus on this port (null: off; 0: a free port, see prometheus.json)."""
     prometheus_addr: str = field(
         default="127.0.0.1",
-        metadata=bounds(valid=is_host, allowed="an IP address or a host name (0.0.0.0 or '': every interface)"),
+        metadata=bounds(valid=is_host, allowed="an IPv4 or IPv6 address or a host name, not a dotted all-numeric "
+                                               "one (0.0.0.0 or '': every interface)"),
     )
     """Address the Prometheus endpoint listens on: loopback by default, so the job's metrics are not
     served to the whole network unasked; 0.0.0.0 lets another host scrape it."""
@@ -275,6 +276,9 @@ SECTIONS: dict[str, type[Any]] = {
     "telemetry": TelemetryConfig,
 }
 PLUGINS = ("model", "data")
+#: What a file_sd target's name adds to the job name: `gpujobs-NAME-<16 hex>.json`, and `-<16 hex>` more
+#: where a squatter holds that name (`gpujobs.run.prometheus.FileSdTarget`); the whole must fit NAME_MAX.
+FILE_SD_NAME_EXTRA = len("gpujobs--0123456789abcdef-0123456789abcdef.json")
 
 
 @dataclass
@@ -307,14 +311,33 @@ class JobConfig(Checked):
         slow, world = self.telemetry.debug_slow_rank, self.resources.world_size
         if slow is not None and slow >= world:
             raise ConfigError("telemetry.debug_slow_rank", slow, f"a rank below the world size {world}")
-        shares = self.trainer.balance_shares
-        # an elastic job's world size is known only job-side, where the same check runs again
-        if self.trainer.balance == "static" and shares and self.resources.min_nodes is None and len(shares) != world:
-            raise ConfigError("trainer.balance_shares", shares, f"one weight per rank ({world} ranks)")
+        if self.telemetry.prometheus_sd_dir is not None and len(self.name) > NAME_MAX - FILE_SD_NAME_EXTRA:
+            raise ConfigError(
+                "name", self.name,
+                f"at most {NAME_MAX - FILE_SD_NAME_EXTRA} characters with telemetry.prometheus_sd_dir set (its "
+                f"file_sd target gpujobs-NAME-<hash>.json must fit Linux's {NAME_MAX}-byte file name)",
+            )
+        self._check_shares()
         for key in PLUGINS if self.script is None else ():  # a plug-in's rules across sections; a script has none
             check = getattr(getattr(self, key), "check_job", None)
             if check is not None:
                 check(self)
+
+    def _check_shares(self) -> None:
+        """Static shares are one weight per rank of the one world size the job can start at."""
+        shares, res = self.trainer.balance_shares, self.resources
+        if self.trainer.balance != "static" or not shares:
+            return
+        if res.least_nodes < res.nodes:
+            sizes = f"{res.least_nodes * res.ranks_per_node} to {res.world_size}"
+            raise ConfigError(
+                "trainer.balance_shares", shares,
+                f"none for an elastic job (resources.min_nodes={res.min_nodes} < nodes={res.nodes}: it starts at "
+                f"{sizes} ranks, as Slurm allocates, and one list has one length): balance_gpu_weights or "
+                "trainer.balance=dynamic",
+            )
+        if len(shares) != res.world_size:
+            raise ConfigError("trainer.balance_shares", shares, f"one weight per rank ({res.world_size} ranks)")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict of the resolved config (what config.yaml holds)."""

@@ -10,23 +10,31 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from gpujobs.errors import ConfigError
-from gpujobs.validate import Checked, bounds
+from gpujobs.validate import NAME_MAX, Checked, bounds
 
 CLUSTERS = ("auto", "local", "debug", "slurm")
 NAME = re.compile(r"[A-Za-z0-9_.-]+")
 NAME_TEXT = "letters, digits and _.- (no spaces or shell characters)"
 #: A name that becomes one directory level (`cluster.folder`, `name` in the default run dir): `.` and `..`
-#: would put what goes under it in the run dir itself or in its parent.
-DIR_NAME = re.compile(r"(?!\.\.?\Z)[A-Za-z0-9_.-]+")
-DIR_NAME_TEXT = "letters, digits and _.- (no spaces or shell characters), but not . or .. (a directory name)"
+#: would put what goes under it in the run dir itself or in its parent; Linux takes at most NAME_MAX bytes.
+DIR_NAME = re.compile(rf"(?!\.\.?\Z)[A-Za-z0-9_.-]{{1,{NAME_MAX}}}")
+DIR_NAME_TEXT = ("letters, digits and _.- (no spaces or shell characters), but not . or .., at most "
+                 f"{NAME_MAX} of them (a directory name)")
 _NAME_LIST = re.compile(r"[A-Za-z0-9_.,\[\]-]+")
 _NAME_LIST_TEXT = "letters, digits and _.,[]- (no spaces or shell characters)"
+_MM_SS = re.compile(r"\s*\d+:\d{1,2}\s*")
 _TIME = re.compile(r"(?:(\d+)-)?(\d+)(?::(\d{1,2}))?(?::(\d{1,2}))?")
 #: slurmctld checks time limits every 30 s and sends a job's --signal at the first check that finds
 #: less than the lead + 30 s left, so the signal may come up to 30 s before the lead.
 SLURM_LIMIT_CHECK_S = 30
 #: Slurm's --signal takes a lead of at most 65535 s (a 16-bit field).
 SLURM_MAX_SIGNAL_LEAD_S = 65535
+DEFAULT_SIGNAL_LEAD_S = 120
+#: Slurm keeps --ntasks-per-node and --cpus-per-task in 16 bits, 65534 and 65535 meaning "unset" and "infinite".
+SLURM_MAX_PER_NODE = 65533
+_PER_NODE = "Slurm's --ntasks-per-node is 16-bit"
+#: torch.distributed numbers ranks, and counts them, in a C int.
+MAX_WORLD_SIZE = 2**31 - 1
 #: `--mem` is rendered in whole MiB (`--mem=0` would ask for the whole node), and sbatch reads the MiB
 #: count as a signed 64-bit integer.
 _MEM_GB = bounds(ge=1 / 1024, le=2**53, note="GB: at least 1 MiB, as --mem counts whole MiB")
@@ -74,7 +82,8 @@ class ClusterConfig(Checked):
     time: str = "01:00:00"
     """Time limit: minutes, HH:MM:SS or D-HH:MM:SS."""
     signal_lead_s: int = field(
-        default=120, metadata=bounds(ge=0, le=SLURM_MAX_SIGNAL_LEAD_S, note="Slurm's --signal takes at most 65535 s")
+        default=DEFAULT_SIGNAL_LEAD_S,
+        metadata=bounds(ge=0, le=SLURM_MAX_SIGNAL_LEAD_S, note="Slurm's --signal takes at most 65535 s"),
     )
     """Seconds before the time limit at which the job gets USR2 to checkpoint (below the limit less 30 s)."""
     wait: Optional[bool] = None
@@ -113,7 +122,18 @@ class ClusterConfig(Checked):
             raise ConfigError("time", self.time, err.allowed) from None
         if self.signal_lead_s + SLURM_LIMIT_CHECK_S >= limit_s:
             # slurmctld sends --signal at its first limit check with less than lead + 30 s left: a longer
-            # lead would stop every attempt as it starts and spend the time-limit budget on nothing
+            # lead would stop every attempt as it starts and spend the time-limit budget on nothing. The
+            # lead left at its default is not what the user set: the time is.
+            if self.signal_lead_s == DEFAULT_SIGNAL_LEAD_S:
+                least = self.signal_lead_s + SLURM_LIMIT_CHECK_S
+                slurm_reads = (f"; {self.time} is minutes:seconds to Slurm, {limit_s // 60} whole minutes"
+                               if _MM_SS.fullmatch(self.time) else "")
+                raise ConfigError(
+                    "time", self.time,
+                    f"more than {least} s (cluster.signal_lead_s={self.signal_lead_s} plus the "
+                    f"{SLURM_LIMIT_CHECK_S} s by which Slurm may send the signal early{slurm_reads}), "
+                    "or a smaller cluster.signal_lead_s",
+                )
             raise ConfigError(
                 "signal_lead_s", self.signal_lead_s,
                 f"below {limit_s - SLURM_LIMIT_CHECK_S} s with time={self.time} (the time limit less the "
@@ -136,12 +156,15 @@ class ResourcesConfig(Checked):
     """What one job asks for. One rank per GPU; CPU ranks (gloo) where there is no GPU."""
 
     nodes: int = field(default=1, metadata=bounds(ge=1))
-    """Number of nodes."""
-    gpus_per_node: int = field(default=0, metadata=bounds(ge=0))
+    """Number of nodes (their ranks, at most `MAX_WORLD_SIZE` in all; Slurm's partition bounds them at submit)."""
+    gpus_per_node: int = field(default=0, metadata=bounds(ge=0, le=SLURM_MAX_PER_NODE, note=_PER_NODE))
     """GPUs per node; each gets one rank."""
-    procs_per_node: Optional[int] = field(default=None, metadata=bounds(ge=1))
-    """Ranks per node when gpus_per_node is 0 (CPU ranks with gloo); default 1."""
-    cpus_per_task: int = field(default=1, metadata=bounds(ge=1, le=65533, note="Slurm keeps it in 16 bits"))
+    procs_per_node: Optional[int] = field(default=None, metadata=bounds(ge=1, le=SLURM_MAX_PER_NODE, note=_PER_NODE))
+    """Ranks per node when gpus_per_node is 0 (CPU ranks with gloo); default 1. With GPUs, at most
+    gpus_per_node (one rank per GPU: more would not run)."""
+    cpus_per_task: int = field(
+        default=1, metadata=bounds(ge=1, le=SLURM_MAX_PER_NODE, note="Slurm keeps it in 16 bits")
+    )
     """CPU cores per rank (also the torch thread count)."""
     mem_gb: Optional[float] = field(default=None, metadata=_MEM_GB)
     """Memory per node in GB (default: the cluster's default); at least 1/1024 (1 MiB, see `_MEM_GB`)."""
@@ -158,6 +181,17 @@ class ResourcesConfig(Checked):
         super().__post_init__()
         if self.min_nodes is not None and self.min_nodes > self.nodes:
             raise ConfigError("min_nodes", self.min_nodes, f"1..{self.nodes} (resources.nodes is the most)")
+        if self.world_size > MAX_WORLD_SIZE:  # ranks per node stop at 65533: only nodes take the world past it
+            most = MAX_WORLD_SIZE // self.ranks_per_node
+            raise ConfigError("nodes", self.nodes, f"at most {most} with {self.ranks_per_node} ranks a node "
+                                                   f"(torch.distributed counts ranks in a C int: {MAX_WORLD_SIZE})")
+        gpus, procs = self.gpus_per_node, self.procs_per_node
+        if gpus and procs is not None and procs > gpus:
+            raise ConfigError(
+                "gpus_per_node", gpus,
+                f"0 for resources.procs_per_node={procs} CPU ranks, or at least {procs} for as many GPU ranks "
+                f"(one rank per GPU: {gpus} GPUs run {gpus} ranks; for that, set resources.procs_per_node={gpus})",
+            )
 
     @property
     def least_nodes(self) -> int:

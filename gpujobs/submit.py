@@ -15,7 +15,7 @@ from typing import NoReturn, Optional
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from gpujobs.compose_errors import one_line
@@ -40,7 +40,7 @@ def _refuse(err: GpujobsError, where: str = "") -> NoReturn:
 def _task(cfg: DictConfig) -> int:
     global _task_started
     _task_started = True
-    from gpujobs.config import load_config
+    from gpujobs.config import load_config, override_keys
     from gpujobs.launch import check_paths, launch, resolve_cluster
     from gpujobs.launch.sweep import active_plan
     from gpujobs.rundir.files import discard_if_empty
@@ -51,7 +51,10 @@ def _task(cfg: DictConfig) -> int:
     # In a sweep the error names the point; it is still one line.
     where = f" (sweep point #{hydra_cfg.job.num}: {' '.join(hydra_cfg.overrides.task)})" if plan else ""
     try:
-        job = resolve_cluster(load_config(cfg))  # cluster=auto: this machine picks, here, not in load_config
+        # cluster=auto: this machine picks, here, not in load_config
+        # unresolved: an override such as `optim.lr=${oops}` is reported by load_config, naming its key
+        user_keys = override_keys(OmegaConf.to_container(hydra_cfg.overrides.task, resolve=False))  # type: ignore[arg-type]
+        job = resolve_cluster(load_config(cfg, user_keys))
         check_paths(job, run_dir, Path(hydra_cfg.sweep.dir).absolute() if plan is not None else None)
         if plan is not None:  # a gpujobs sweep: validate and plan this point; the launcher starts them all
             plan.add(job, run_dir, hydra_cfg.job.num, list(hydra_cfg.overrides.task))
@@ -84,6 +87,28 @@ def _skip_mode_probe() -> None:
     Hydra.get_mode = lambda self, config_name, overrides: None  # type: ignore[method-assign]
 
 
+def _check_name_override(args: list[str]) -> None:
+    """Refuse a `name=` override longer than a directory name before Hydra makes the default run dir
+    (`outputs/${name}/...`) of it: Linux would refuse that level, and the error would name hydra.run.dir."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from gpujobs.schema_cluster import DIR_NAME_TEXT
+    from gpujobs.validate import NAME_MAX
+
+    parser = OverridesParser.create()
+    for arg in args:
+        if not arg.lstrip("+").startswith("name="):
+            continue
+        try:
+            (override,) = parser.parse_overrides([arg])
+            names = list(override.sweep_iterator()) if override.is_sweep_override() else [override.value()]
+        except HydraException:
+            continue  # what Hydra cannot parse or enumerate it reports itself, in one line
+        for name in names:
+            if isinstance(name, str) and len(name.encode()) > NAME_MAX:
+                _refuse(ConfigError("name", name, DIR_NAME_TEXT))
+
+
 def main(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> None:
     """Entry point; Hydra's own composition errors (bad override syntax, unknown group) exit 2 too.
 
@@ -94,6 +119,7 @@ def main(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> None:
         sys.argv = [prog or sys.argv[0], *argv]
     if {"-m", "--multirun"} & set(sys.argv[1:]):
         _skip_mode_probe()
+    _check_name_override(sys.argv[1:])
     # Hydra raises its composition errors instead of printing them on several lines; they are reported
     # below, one line each. A user's own HYDRA_FULL_ERROR keeps Hydra's full traceback.
     ours = "HYDRA_FULL_ERROR" not in os.environ

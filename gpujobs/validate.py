@@ -32,6 +32,8 @@ _KEY = "gpujobs.bounds"
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 NO_CONTROL = "text without control characters (newline, CR, tab, NUL, ...)"
 SLURM_PATH = r"a path without control characters, % or \ (Slurm expands % and drops \ in #SBATCH paths)"
+#: Linux's NAME_MAX: the most bytes one level of a path (a file or directory name) may have.
+NAME_MAX = 255
 _HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
 
 
@@ -132,7 +134,12 @@ def check_slurm_path(key: str, path: str | os.PathLike[str], *, slurm: bool) -> 
 
 
 def is_host(value: Any) -> bool:
-    """An IP address (v4 or v6) or a DNS host name; "" (every interface, as in socket.bind) too."""
+    """An IP address literal (v4 or v6, as `ipaddress` reads it) or an RFC 1123 host name; "" (every
+    interface, as in socket.bind) too.
+
+    A dotted name whose last label is all digits is no host name (RFC 1123 2.1: the top-level label is
+    alphabetic), so `999.1.1.1` or `1.2.3.4.5` is a mistyped address, not a name for the resolver to try.
+    """
     if not isinstance(value, str):
         return False
     if value == "":
@@ -143,7 +150,9 @@ def is_host(value: Any) -> bool:
     except ValueError:
         pass
     name = value[:-1] if value.endswith(".") else value
-    return 0 < len(name) <= 253 and all(_HOST_LABEL.fullmatch(label) for label in name.split("."))
+    labels = name.split(".")
+    return (0 < len(name) <= 253 and all(_HOST_LABEL.fullmatch(label) for label in labels)
+            and not labels[-1].isdigit())
 
 
 def allowed_text(

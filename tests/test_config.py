@@ -30,9 +30,9 @@ def test_rec_experiment_composes_to_two_cpu_ranks() -> None:
 @pytest.mark.parametrize(
     ("override", "key", "allowed"),
     [
-        ("resources.gpus_per_node=-1", "resources.gpus_per_node", ">= 0"),
+        ("resources.gpus_per_node=-1", "resources.gpus_per_node", "in [0, 65533]"),
         ("resources.nodes=0", "resources.nodes", ">= 1"),
-        ("resources.procs_per_node=0", "resources.procs_per_node", ">= 1"),
+        ("resources.procs_per_node=0", "resources.procs_per_node", "in [1, 65533]"),
         ("resources.mem_gb=-4", "resources.mem_gb", "at least 1 MiB"),
         ("trainer.max_steps=abc", "trainer.max_steps", "int"),
         ("trainer.amp=fp8", "trainer.amp", "auto, bf16, off"),
@@ -41,7 +41,8 @@ def test_rec_experiment_composes_to_two_cpu_ranks() -> None:
         ("cluster.time=abc", "cluster.time", "HH:MM:SS"),
         ("cluster.time=01:99:00", "cluster.time", "below 60"),
         ("cluster.time=0", "cluster.time", "positive"),
-        ("cluster.time=2", "cluster.signal_lead_s", "below 90 s with time=2"),  # default lead 120 s
+        ("cluster.time=2", "cluster.time", "more than 150 s (cluster.signal_lead_s=120"),  # the lead is the default
+        ("cluster.signal_lead_s=3571", "cluster.signal_lead_s", "below 3570 s with time=01:00:00"),
         ("cluster.name=moon", "cluster.name", "local, debug, slurm"),
         ("cluster.partition='gpu;rm -rf /'", "cluster.partition", "no spaces or shell characters"),
         ("name='my job'", "name", "no spaces or shell characters"),
@@ -208,8 +209,8 @@ def test_static_shares_for_another_world_size_are_refused_at_submit() -> None:
     with pytest.raises(ConfigError, match=r"trainer\.balance_shares=\[1\.0, 1\.0, 1\.0\].*per rank \(2 ranks\)"):
         compose_job(*static, "trainer.balance_shares=[1,1,1]")
     assert compose_job(*static, "trainer.balance_shares=[3,1]").trainer.balance_shares == [3.0, 1.0]
-    elastic = compose_job(*static, "trainer.balance_shares=[1,1,1]", "resources.nodes=2", "resources.min_nodes=1")
-    assert elastic.trainer.balance_shares == [1.0, 1.0, 1.0]  # its world size is known job-side only
+    with pytest.raises(ConfigError, match=r"trainer\.balance_shares=\[1\.0, 1\.0, 1\.0\].*none for an elastic job"):
+        compose_job(*static, "trainer.balance_shares=[1,1,1]", "resources.nodes=2", "resources.min_nodes=1")
 
 
 def test_a_script_argument_may_hold_any_text_but_nul() -> None:

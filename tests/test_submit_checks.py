@@ -3,7 +3,8 @@
 The global batch against the ranks and `trainer.grad_accum`, a balancing option its mode never reads, weights
 whose sum overflows, a replay of a run dir without a plan history or with one of another world size or
 micro-batch, `.` or `..` as a directory name, and a schema field missing from the composed config (so an
-override of it was an "unknown key").
+override of it was an "unknown key"). Values past what their consumer takes (Slurm's 16-bit ranks per node,
+Linux's 255-byte names, IP literals, NCCL's buffer bytes) name the key set, not one the rule also reads.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from conftest import CONF, compose_job, submit
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from gpujobs.config import JobConfig, load_config, override_keys
 from gpujobs.errors import ConfigError
 from gpujobs.schema import KEY_ALIASES, SECTIONS
 from gpujobs.schema_trackers import TRACKERS
@@ -27,6 +29,7 @@ from jobs.rec.config import CriteoTSVConfig
 
 TINY = ("+experiment=rec", "+debug=tiny", "cluster=local")  # 2 ranks, data.num_train=4096, batch_size=64
 ELASTIC = ("+experiment=rec", "cluster=slurm", "resources.nodes=2", "resources.min_nodes=1")  # 2 to 4 ranks
+SLURM = ("+experiment=rec", "cluster=slurm")  # data.num_train=200000, data.batch_size=256, 2 ranks a node
 CRITEO = ("+experiment=rec", "data=criteo", "data.train_path=/d/train.tsv", "data.eval_path=/d/eval.tsv")
 
 
@@ -56,6 +59,31 @@ CRITEO = ("+experiment=rec", "data=criteo", "data.train_path=/d/train.tsv", "dat
         # submitit's pickles and logs would land in the run dir itself, or in its parent
         *((("cluster.folder=" + name,), f"cluster.folder='{name}' is invalid: allowed letters, digits and _.- (no "
            "spaces or shell characters), but not . or ..") for name in ("..", ".")),
+        # Slurm's --ntasks-per-node is 16-bit; 100000 ranks per node were blamed on data.batch_size
+        (("resources.procs_per_node=100000",),
+         "resources.procs_per_node=100000 is invalid: allowed an integer in [1, 65533]"),
+        (("resources.gpus_per_node=100000",),
+         "resources.gpus_per_node=100000 is invalid: allowed an integer in [0, 65533]"),
+        # the data serves 32 nodes of 2 ranks at data.batch_size=64: the nodes the user set are named
+        (("resources.nodes=100000",),
+         "resources.nodes=100000 is invalid: allowed at most 32, as the rest of the config stands "
+         "(data.num_train=4096 needs at least 200000"),
+        # 2 GPUs run 2 ranks, not the 4 asked for
+        (("resources.gpus_per_node=2", "resources.procs_per_node=4"),
+         "resources.gpus_per_node=2 is invalid: allowed 0 for resources.procs_per_node=4 CPU ranks, or at least 4"),
+        # 1:30 is 1 min 30 s to Slurm (2 whole minutes), not 1 h 30; the default signal lead was named
+        (("cluster.time=1:30",),
+         "cluster.time='1:30' is invalid: allowed more than 150 s (cluster.signal_lead_s=120 plus the 30 s"),
+        # a mistyped address, not a host name for the resolver to try
+        *((("telemetry.prometheus_addr=" + addr,), f"telemetry.prometheus_addr='{addr}' is invalid: allowed an IPv4 "
+           "or IPv6 address or a host name, not a dotted all-numeric one") for addr in ("999.1.1.1", "1.2.3.4.5")),
+        (("+nccl.extra.NCCL_BUFFSIZE=-1",),
+         "nccl.extra.NCCL_BUFFSIZE='-1' is invalid: allowed a positive number of bytes"),
+        # an elastic job starts at 2 or 4 ranks: 4 weights fit one of them, found out when Slurm starts it smaller
+        (("resources.nodes=2", "resources.min_nodes=1", "trainer.balance=static", "trainer.balance_shares=[1,1,1,1]"),
+         "trainer.balance_shares=[1.0, 1.0, 1.0, 1.0] is invalid: allowed none for an elastic job "
+         "(resources.min_nodes=1 < nodes=2: it starts at 2 to 4 ranks"),
+        (("name=" + "n" * 256,), f"name='{'n' * 256}' is invalid: allowed letters, digits and _.-"),
     ],
 )
 def test_refused_at_submit_in_one_line_with_nothing_started_or_written(
@@ -205,3 +233,62 @@ def test_the_composed_config_sets_every_field_of_every_section(choice: str) -> N
     for key, schema, values in schemas:
         aliases = KEY_ALIASES.get(key, {})
         assert {aliases.get(name, name) for name in values} == {f.name for f in dataclasses.fields(schema)}, key
+
+
+
+def test_a_name_too_long_for_a_directory_is_named_before_the_default_run_dir_is_made(tmp_path: Path) -> None:
+    name = "n" * 300  # Linux refuses a path level over 255 bytes: Hydra's mkdir of outputs/NAME/ failed
+    cmd = [sys.executable, "-m", "gpujobs.submit", *TINY, f"name={name}"]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith(f"gpujobs: config error: name='{name}' is invalid: allowed letters, digits"), line
+    assert list(tmp_path.iterdir()) == []  # not even outputs/
+
+
+def test_a_name_whose_file_sd_target_would_not_fit_a_file_name_is_refused(run_dir: Path) -> None:
+    sd_dir = run_dir.parent / "sd"
+    sd_dir.mkdir(mode=0o700)
+    common = (*TINY, f"telemetry.prometheus_sd_dir={sd_dir}", "telemetry.prometheus_port=0")
+    with pytest.raises(ConfigError, match=r"^name='n{209}' is invalid: allowed at most 208 characters with "
+                                          r"telemetry.prometheus_sd_dir set"):
+        compose_job(*common, "name=" + "n" * 209)
+    # the longest: gpujobs-NAME-<16 hex>-<16 hex>.json, the name taken where a squatter holds the first, is 255
+    assert compose_job(*common, "name=" + "n" * 208).name == "n" * 208
+
+
+def _loaded(*overrides: str) -> JobConfig:
+    """What submit loads: the composed config, errors naming the keys these overrides set."""
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[*SLURM, *overrides])
+    return load_config(cfg, override_keys(overrides))
+
+
+@pytest.mark.parametrize(
+    ("refused", "key", "accepted"),
+    [
+        (("resources.procs_per_node=65534", "data.batch_size=1"), "resources.procs_per_node",
+         ("resources.procs_per_node=65533", "data.batch_size=1")),  # 65533 rows of data.num_train=200000
+        (("resources.nodes=391",), "resources.nodes", ("resources.nodes=390",)),  # 780 ranks x 256 <= 200000 rows
+        # no row count bounds Criteo's ranks at submit: torch's C int does (2 ranks a node)
+        ((*CRITEO[1:], "resources.nodes=1073741824"), "resources.nodes", (*CRITEO[1:], "resources.nodes=1073741823")),
+        (("cluster.time=2",), "cluster.time", ("cluster.time=2:01",)),  # Slurm's 3 whole minutes > 120 s + 30 s
+        (("resources.gpus_per_node=2", "resources.procs_per_node=3"), "resources.gpus_per_node",
+         ("resources.gpus_per_node=2", "resources.procs_per_node=2")),
+        # the experiment's 2 CPU ranks: 1 GPU would run 1; 3 GPUs run 3, one per GPU as documented
+        (("resources.gpus_per_node=1",), "resources.gpus_per_node", ("resources.gpus_per_node=3",)),
+        (("telemetry.prometheus_addr=10.0.0.256",), "telemetry.prometheus_addr",
+         ("telemetry.prometheus_addr=node-1.cluster",)),
+        (("telemetry.prometheus_addr=gpu.01",), "telemetry.prometheus_addr", ("telemetry.prometheus_addr=gpu01",)),
+        (("+nccl.extra.NCCL_BUFFSIZE=0",), "nccl.extra.NCCL_BUFFSIZE", ("+nccl.extra.NCCL_BUFFSIZE=1",)),
+        (("resources.nodes=2", "resources.min_nodes=1", "trainer.balance=static", "trainer.balance_shares=[1,1]"),
+         "trainer.balance_shares",
+         ("resources.nodes=2", "resources.min_nodes=2", "trainer.balance=static", "trainer.balance_shares=[1,1,1,2]")),
+        (("name=" + "n" * 256,), "name", ("name=" + "n" * 255,)),
+    ],
+)
+def test_a_consumer_s_bound_is_exact(refused: tuple[str, ...], key: str, accepted: tuple[str, ...]) -> None:
+    with pytest.raises(ConfigError) as info:
+        _loaded(*refused)
+    assert info.value.key == key, info.value
+    _loaded(*accepted)
