@@ -294,7 +294,7 @@ def resubmit(sweep_dir: Path, points: list[PointState], *, cancelled: bool = Fal
     here_wanted = FAILED_HERE | ({"cancelled"} if cancelled else set())
     # a point never queued to Slurm ran here: only its files say how it ended
     chosen = [p for p in points if (p.state in slurm_wanted if p.job_id else p.ended in here_wanted)]
-    plan = SweepPlan(sweep_dir.absolute())
+    plan = SweepPlan(sweep_dir.absolute(), single=bool(chosen) and chosen[0].num is None)
     for p in chosen:
         plan.add(read_config(p.run_dir), p.run_dir, p.num or 0, p.overrides)
     slurm = [point for point in plan.points if point.job.cluster.name == "slurm"]

@@ -83,12 +83,15 @@ class SweepPlan:
 
     sweep_dir: Path
     points: list[Point] = field(default_factory=list)
+    single: bool = False
+    """A single run dir's plan (`resubmit` of one run dir): its point is the run dir, not a dir inside it."""
     _cluster_cache: dict[Any, Any] = field(default_factory=dict)
 
     def add(self, job: JobConfig, run_dir: Path, num: int, overrides: list[str]) -> None:
         """Validate one point against where it will run (ConfigError/SubmitError if it cannot) and against
         its run dir, as a single run is (`check_start`: a rerun of the sweep with other values), and keep it."""
-        self._check_place(run_dir, num)
+        if not self.single:
+            self._check_place(run_dir, num)
         preflight(job, self._cluster_cache)
         check_start(job, run_dir, "hydra.sweep.subdir")
         self.points.append(Point(num, list(overrides), job, run_dir))
