@@ -111,6 +111,22 @@ def test_a_foreign_sweep_dir_is_refused_at_submit(foreign: Path) -> None:
     assert snapshot(foreign) == inside  # no point dir made in it, nothing written through its links
 
 
+def test_another_users_submitit_folder_in_a_sticky_run_dir_is_refused_at_submit(tmp_path: Path) -> None:
+    """A sticky run dir lets others add entries: one made the folder where submitit keeps the pickles it loads."""
+    if os.geteuid() != 0:
+        missing("root: the planted folder is chowned to another user")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(mode=0o1777)
+    run_dir.chmod(0o1777)
+    (run_dir / "submitit").mkdir()
+    os.chown(run_dir / "submitit", NOBODY, NOBODY)
+    inside = snapshot(run_dir)
+    proc = submit(run_dir, "+experiment=rec", "+debug=tiny", "cluster=local", "trainer.max_steps=2", timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"gpujobs: config error: cluster.folder='{run_dir}/submitit' is invalid" in proc.stderr, proc.stderr
+    assert snapshot(run_dir) == inside
+
+
 def test_the_job_side_refuses_a_foreign_run_dir_before_reading_anything(foreign: Path) -> None:
     with pytest.raises(SystemExit, match=f"the run dir {foreign} is not trusted"):
         run_dir_of(parse_args(["--folder", str(foreign / "submitit"), str(foreign)]), None)

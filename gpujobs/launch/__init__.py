@@ -109,6 +109,7 @@ def check_start(job: JobConfig, run_dir: Path, key: str = "hydra.run.dir") -> No
     from gpujobs.rundir.trust import check_dir
 
     check_dir(key, run_dir)  # first: whoever else may write it could have planted what the checks below read
+    check_dir("cluster.folder", run_dir / job.cluster.folder)  # submitit's pickles: in a sticky run dir, anyone's
     if (run_dir / SWEEP_FILE).exists():
         raise ConfigError(key, str(run_dir), f"a run dir, not a sweep dir (it holds {SWEEP_FILE}: a sweep dir "
                           "holds the points' run dirs, not a run)")
