@@ -10,6 +10,7 @@ from typing import Optional
 
 from gpujobs.errors import ConfigError
 from gpujobs.rundir import NCCL_DIR
+from gpujobs.rundir.trust import own_dir
 from gpujobs.validate import Checked, bounds
 
 #: NCCL environment variables gpujobs accepts in `nccl.extra` (from NCCL's documented list).
@@ -163,7 +164,7 @@ class NcclSettings(Checked):
         if files and run_dir is None:
             raise ValueError(f"nccl.extra.{files[0]} is a file NCCL writes in RUN_DIR/{NCCL_DIR}/: no run dir given")
         if files and run_dir is not None:
-            (Path(run_dir) / NCCL_DIR).mkdir(mode=0o700, exist_ok=True)
+            own_dir(Path(run_dir), NCCL_DIR, mode=0o700)  # never a planted link: NCCL would write through it
         env = self.to_env(run_dir)
         os.environ.update(env)
         return env

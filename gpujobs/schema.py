@@ -20,6 +20,7 @@ from typing import Any, Optional
 
 from gpujobs.errors import ConfigError
 from gpujobs.nccl import NcclSettings
+from gpujobs.rundir.trust import open_to_others
 from gpujobs.schema_cluster import CLUSTERS as CLUSTERS
 from gpujobs.schema_cluster import DIR_NAME, DIR_NAME_TEXT, ClusterConfig, ResourcesConfig
 from gpujobs.schema_cluster import SLURM_LIMIT_CHECK_S as SLURM_LIMIT_CHECK_S
@@ -236,10 +237,9 @@ def _sd_dir(text: str) -> str:
         mode = path.stat().st_mode if text else 0
     except OSError:
         mode = 0
-    # writable by group or others without the sticky bit: any of them could rename a file of theirs over a
-    # job's target and have Prometheus scrape their address; sticky lets only a file's owner replace it
-    open_to_others = mode & (stat.S_IWGRP | stat.S_IWOTH) and not mode & stat.S_ISVTX
-    if not stat.S_ISDIR(mode) or open_to_others or not os.access(path, os.W_OK | os.X_OK):
+    # open to others: any of them could rename a file of theirs over a job's target and have Prometheus
+    # scrape their address
+    if not stat.S_ISDIR(mode) or open_to_others(mode) or not os.access(path, os.W_OK | os.X_OK):
         raise ConfigError("prometheus_sd_dir", text, allowed)
     return str(path)
 

@@ -117,6 +117,9 @@ def main(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> None:
     """
     if argv is not None:
         sys.argv = [prog or sys.argv[0], *argv]
+    # a run dir is trusted only if no one else may write it (gpujobs.rundir.trust): under a umask of 002
+    # Hydra and gpujobs would make run dirs the group may write, which the check then refuses
+    os.umask(os.umask(0o022) | 0o022)
     if {"-m", "--multirun"} & set(sys.argv[1:]):
         _skip_mode_probe()
     _check_name_override(sys.argv[1:])

@@ -88,6 +88,20 @@ def test_failing_save_publishes_nothing_and_names_the_last_good_step(tmp_path: P
     assert [p.name for p in (tmp_path / "ck").iterdir()] == ["step_00000001"]
 
 
+def test_a_temp_dir_planted_as_a_link_is_not_written_through(tmp_path: Path) -> None:
+    """Someone who could once write the run dir planted the next save's temp dir as a link to a folder
+    elsewhere: the save fails, saying so, and nothing lands in that folder."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    manager = CheckpointManager(tmp_path / "ck", every_steps=1, keep=1)
+    save(manager, 1)
+    (tmp_path / "ck" / ".tmp-step_00000002").symlink_to(elsewhere)
+    with pytest.raises(CheckpointNotSaved, match=r"\.tmp-step_00000002 is a symlink"):
+        save(manager, 2)
+    assert list(elsewhere.iterdir()) == []
+    assert manager.complete_steps() == [1]
+
+
 @pytest.mark.parametrize("damage", ["flip", "truncate", "remove"])
 def test_a_damaged_newest_checkpoint_falls_back_and_says_so(tmp_path: Path, damage: str) -> None:
     manager = CheckpointManager(tmp_path / "ck", every_steps=1, keep=3)

@@ -51,6 +51,7 @@ from gpujobs.errors import GpujobsError
 from gpujobs.run import collectives
 from gpujobs.run.checkpoint_async import HostBuffers, InFlight, SaveGroups
 from gpujobs.rundir import MARKER, STEP_PREFIX
+from gpujobs.rundir.trust import own_dir
 
 log = logging.getLogger(__name__)
 
@@ -353,7 +354,8 @@ class CheckpointManager:
         try:
             if self.rank == 0:
                 self._sweep_temporaries(keep=tmp)
-            tmp.mkdir(parents=True, exist_ok=True)
+            # a link planted as checkpoints/ or as this temp dir is refused (the save fails), never written through
+            own_dir(self.directory.parent, self.directory.name, tmp.name)
             report["files"][f"rank_{self.rank}.pt"] = _save_file(own(), tmp / f"rank_{self.rank}.pt")
             if self.rank == 0:
                 report["files"][SHARED_FILE] = _save_file(shared(), tmp / SHARED_FILE)

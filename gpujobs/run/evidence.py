@@ -24,12 +24,14 @@ import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
+from stat import S_ISREG
 from typing import Any, Optional
 
 from gpujobs.atomic import write_json_atomic
 from gpujobs.run.heartbeat import STACKS_SIGNAL, stacks_path
 from gpujobs.rundir import HANGS_DIR, HEARTBEAT_DIR
 from gpujobs.rundir.process import process_start as process_start  # moved down a layer: the lease uses it
+from gpujobs.rundir.trust import read_own, write_own
 
 _PY_SPY_TIMEOUT_S = 20.0
 _FAULTHANDLER_WAIT_S = 3.0
@@ -110,7 +112,7 @@ def take_stacks(run_dir: Path, out: Path, ranks: dict[int, dict[str, Any]],
         pid = here.get(rank)
         text = py_spy_dump(pid) if pid is not None else None
         if text is not None:
-            (out / f"rank_{rank}.txt").write_text(text)
+            write_own(out / f"rank_{rank}.txt", text)
             how[rank] = "py-spy"
             continue
         if pid is not None and stopped(pid):  # it runs no handler until it continues: alone, then stops again
@@ -128,18 +130,28 @@ def take_stacks(run_dir: Path, out: Path, ranks: dict[int, dict[str, Any]],
     pending = set(asked)
     while pending and time.monotonic() < deadline:
         for rank in sorted(pending):
-            written = stacks_path(run_dir, rank)
-            if written.exists() and written.stat().st_size > 0:
+            if _answered(stacks_path(run_dir, rank)):
                 pending.discard(rank)
         time.sleep(0.1)
     time.sleep(0.2 if asked else 0)  # let the last handler finish its lines
     for rank in asked:
-        written = stacks_path(run_dir, rank)
-        text = written.read_text(errors="replace") if written.exists() else ""
-        (out / f"rank_{rank}.txt").write_text(text or "no stack: the rank did not answer SIGUSR1\n")
+        try:  # never through a link: its target's text would be copied into the evidence
+            text = read_own(stacks_path(run_dir, rank))
+        except OSError:
+            text = ""
+        write_own(out / f"rank_{rank}.txt", text or "no stack: the rank did not answer SIGUSR1\n")
         if not text:
             how[rank] += ", no answer"
     return how
+
+
+def _answered(stacks: Path) -> bool:
+    """Whether a rank's faulthandler has written into `stacks` (a link there is no answer)."""
+    try:
+        info = os.lstat(stacks)
+    except OSError:
+        return False
+    return S_ISREG(info.st_mode) and info.st_size > 0
 
 
 def _stacks_of_stopped(written: Path, pid: int, others: list[int]) -> None:
@@ -154,7 +166,7 @@ def _stacks_of_stopped(written: Path, pid: int, others: list[int]) -> None:
         os.kill(pid, STACKS_SIGNAL)
         os.kill(pid, signal.SIGCONT)
         deadline = time.monotonic() + _FAULTHANDLER_WAIT_S
-        while not (written.exists() and written.stat().st_size > 0) and time.monotonic() < deadline:
+        while not _answered(written) and time.monotonic() < deadline:
             time.sleep(0.05)
         time.sleep(0.2)  # let the handler finish its lines
         os.kill(pid, signal.SIGSTOP)

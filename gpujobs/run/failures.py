@@ -23,6 +23,7 @@ from typing import Any, Optional
 from gpujobs.atomic import write_json_atomic
 from gpujobs.run.heartbeat import instance
 from gpujobs.rundir import FAILURES_DIR
+from gpujobs.rundir.trust import own_dir
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,7 @@ def leave(run_dir: Path, failure: RankFailure) -> None:
     """Write how this rank ended, for rank 0 (best effort: a full disk must not hide the real error)."""
     path = failure_path(run_dir, failure.rank)
     with contextlib.suppress(OSError):
-        path.parent.mkdir(parents=True, exist_ok=True)
+        own_dir(path.parent.parent, path.parent.name)  # a link planted in the run dir is not followed
         write_json_atomic(path, {"instance": instance(), "rank": failure.rank, "node": failure.node,
                                  "error": failure.error, "at": failure.at, "ended": failure.ended})
 

@@ -20,6 +20,7 @@ from typing import Any, Optional
 from gpujobs.config import JobConfig
 from gpujobs.run import evidence
 from gpujobs.run.watchdog import Hang, HangWatch, blame_by_stacks
+from gpujobs.rundir.trust import own_dir, write_own
 
 log = logging.getLogger(__name__)
 
@@ -105,20 +106,24 @@ class Watchdog:
         out = evidence.hang_dir(self.run_dir, self.attempt)
         how: dict[int, str] = {}
         traces: list[int] = []
+        kept = False
         try:
+            own_dir(self.run_dir, *out.relative_to(self.run_dir).parts)  # a link planted in the run dir: refused
+            kept = True
             hang, how, traces = self._evidence(hang, out)
         except Exception as err:  # a full disk, a file where the folder goes: the hung ranks must die all the same
             log.error("gpujobs: could not keep the evidence of the hang in %s: %r", out, err)
         self.kill()
         hung_s = hang.stalled_s + time.monotonic() - began
         try:
-            evidence.write_summary(out, {
-                "attempt": self.attempt, "culprit_rank": hang.culprit, "node": hang.node, "why": hang.why,
-                "stalled_s": round(hang.stalled_s, 1), "limit_s": hang.limit_s,
-                "stacks": {str(r): h for r, h in how.items()},
-                "flight_recorder_ranks": traces, "heartbeats": {str(r): rec for r, rec in hang.ranks.items()},
-                "supervisor_pid": os.getpid(),
-            })
+            if kept:  # never into a folder that was not found to be this run's
+                evidence.write_summary(out, {
+                    "attempt": self.attempt, "culprit_rank": hang.culprit, "node": hang.node, "why": hang.why,
+                    "stalled_s": round(hang.stalled_s, 1), "limit_s": hang.limit_s,
+                    "stacks": {str(r): h for r, h in how.items()},
+                    "flight_recorder_ranks": traces, "heartbeats": {str(r): rec for r, rec in hang.ranks.items()},
+                    "supervisor_pid": os.getpid(),
+                })
         except OSError as err:
             log.error("gpujobs: could not write the hang's summary in %s: %r", out, err)
         log.error("gpujobs: evidence of the hang in %s; every process of attempt %d killed", out, self.attempt)
@@ -127,11 +132,10 @@ class Watchdog:
     def _evidence(self, hang: Hang, out: Path) -> tuple[Hang, dict[int, str], list[int]]:
         """Every rank's stacks, the flight recorder, NVML, in `out`; the hang blamed by the stacks, how
         each rank's stacks were taken, and the ranks whose flight recorder was dumped."""
-        out.mkdir(parents=True, exist_ok=True)
         how = evidence.take_stacks(self.run_dir, out, hang.ranks, self.signal_remote)
         stacks = {rank: (out / f"rank_{rank}.txt").read_text(errors="replace") for rank in how}
         hang = blame_by_stacks(hang, stacks)
         traces = evidence.dump_flight_recorder(self.run_dir, out, sorted(hang.ranks))
         snapshot = evidence.nvml_snapshot()
-        (out / "nvml.json").write_text(json.dumps(snapshot, indent=2, sort_keys=True, default=str) + "\n")
+        write_own(out / "nvml.json", json.dumps(snapshot, indent=2, sort_keys=True, default=str) + "\n")
         return hang, how, traces

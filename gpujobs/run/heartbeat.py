@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import IO, Any, Optional
 
 from gpujobs.rundir import HEARTBEAT_DIR
+from gpujobs.rundir.trust import open_own, own_dir
 
 #: What a rank is doing. `collective` and `compute` (forward and backward, with DDP's gradient
 #: all-reduce inside) are where a rank waits for the others.
@@ -102,9 +103,9 @@ class Heartbeat(NoBeat):
 
     def start(self) -> Heartbeat:
         """Open the files, register the stack dump, write the first beat and start the writer thread."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        self._stacks = open(stacks_path(self.path.parent.parent, self.rank), "w")  # noqa: SIM115 (closed in close)
+        own_dir(self.path.parent.parent, HEARTBEAT_DIR)  # a link planted in the run dir is refused, not followed
+        self._fd = open_own(self.path)
+        self._stacks = os.fdopen(open_own(stacks_path(self.path.parent.parent, self.rank)), "w")
         faulthandler.register(STACKS_SIGNAL, file=self._stacks, all_threads=True, chain=False)
         self._write()
         self._thread = threading.Thread(target=self._run, name="gpujobs-heartbeat", daemon=True)

@@ -18,6 +18,7 @@ from gpujobs.run.orphan import watch_launcher
 from gpujobs.run.preemption import catch_early
 from gpujobs.run.script import ScriptJob
 from gpujobs.rundir.files import read_config
+from gpujobs.rundir.trust import check_run_dir
 
 
 def make_payload(
@@ -45,5 +46,6 @@ class FromRunDir:
         catch_early()  # before reading the config: a USR2 from now on is kept for the rank's watcher
         if self.launcher is not None:
             watch_launcher(*self.launcher)
+        check_run_dir(Path(self.run_dir))  # before this rank reads or writes anything in it
         job = read_config(Path(self.run_dir))
         return make_payload(job, Path(self.run_dir), self.master_port, self.show_progress)()

@@ -34,6 +34,7 @@ from gpujobs.atomic import write_text_atomic
 from gpujobs.nvml import THROTTLE_REASONS
 from gpujobs.run.straggler import Peer
 from gpujobs.rundir import PROMETHEUS_FILE
+from gpujobs.rundir.trust import read_own
 
 log = logging.getLogger(__name__)
 
@@ -288,19 +289,30 @@ class FileSdTarget:
         self._written = None
 
 
+def _names(path: Path, run_dir: Path) -> bool:
+    """Whether `path` is a file_sd target that `FileSdTarget.write` wrote for `run_dir`."""
+    try:
+        entries = json.loads(read_own(path))
+        return [entry["labels"]["run_dir"] for entry in entries] == [str(Path(run_dir).resolve())]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
 def withdraw_left_target(run_dir: Path) -> None:
     """The supervisor, once an attempt's ranks are gone: withdraw the file_sd target its rank 0 announced and
     could not withdraw (killed for a hang, or with its launcher), so that no alert fires for a job that is
     over and no later endpoint on that port is scraped under this run's labels. Only the very file rank 0
-    wrote (prometheus.json says which), owned by this user: a requeued attempt's new file stays."""
+    wrote (prometheus.json says which), owned by this user: a requeued attempt's new file stays. What
+    prometheus.json says is not enough (whoever could write the run dir once could have planted it to name
+    any file): the file must also be a target that names this run dir, as no file but this run's does."""
     try:
-        target = json.loads((Path(run_dir) / PROMETHEUS_FILE).read_text())["sd_target"]
+        target = json.loads(read_own(Path(run_dir) / PROMETHEUS_FILE))["sd_target"]
         path, written = Path(target["path"]), (int(target["dev"]), int(target["ino"]))
     except (OSError, ValueError, KeyError, TypeError):
         return  # no endpoint, or no target announced
     try:
         info = os.lstat(path)
-        if (info.st_dev, info.st_ino) != written or info.st_uid != os.getuid():
+        if (info.st_dev, info.st_ino) != written or info.st_uid != os.getuid() or not _names(path, run_dir):
             return
         os.unlink(path)
     except OSError:

@@ -27,6 +27,7 @@ from gpujobs.run.preemption import catch_early
 from gpujobs.rundir import CONFIG_FILE, RERUNS_DIR, lease
 from gpujobs.rundir.files import read_config
 from gpujobs.rundir.records import read_result
+from gpujobs.rundir.trust import Untrusted, check_run_dir, own_dir
 
 #: Exit status of a job that found its run dir held by another live job.
 EXIT_STOOD_DOWN = 3
@@ -55,8 +56,7 @@ def training_dir(run_dir: Path, job_id: str) -> Path:
     """
     if not completed(run_dir):
         return run_dir
-    rerun = run_dir / RERUNS_DIR / job_id
-    rerun.mkdir(parents=True, exist_ok=True)
+    rerun = own_dir(run_dir, RERUNS_DIR, job_id)
     write_text_atomic(rerun / CONFIG_FILE, (run_dir / CONFIG_FILE).read_text())
     return rerun
 
@@ -82,8 +82,16 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 
 def run_dir_of(args: argparse.Namespace, array_task_id: Optional[str]) -> Path:
-    """The run dir that this task (of an array: this array index) trains."""
-    return args.run_dir if args.points is None else point_run_dir(args.points, int(array_task_id or 0))
+    """The run dir that this task (of an array: this array index) trains, once it and the submitit folder
+    are found to be the user's alone (`gpujobs.rundir.trust`): whoever else may write them could plant the
+    pickle that submitit loads, or links that the ranks would write through. Exits, saying which, if not."""
+    run_dir = args.run_dir if args.points is None else point_run_dir(args.points, int(array_task_id or 0))
+    try:
+        check_run_dir(run_dir)
+        check_run_dir(args.folder)
+    except Untrusted as err:
+        raise SystemExit(f"gpujobs: {err}") from None
+    return run_dir
 
 
 def main(argv: Optional[list[str]] = None) -> None:

@@ -23,7 +23,8 @@ A run dir is shared by every attempt of its job (requeues, restarts, a hand-run 
 JSON-lines files are read with `read_jsonl`, which skips a line torn by a crash. Modules:
 `files` (config and submissions), `attempts` (the ledger and its budgets), `lease` (one job per run
 dir), `process` (a process named by pid and start, as the lease names its holder), `resume` (resume
-only the same run) and `trackers` (tracker.json). The job side imports these, never `gpujobs.launch`.
+only the same run), `trackers` (tracker.json) and `trust` (a run dir is the user's alone; nothing in it
+is written through a link). The job side imports these, never `gpujobs.launch`.
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import time
 from dataclasses import dataclass
@@ -103,9 +104,10 @@ def _first_problem(err: Exception) -> str:
 
 
 def discard_if_empty(run_dir: Path) -> None:
-    """Remove a run dir that Hydra created for a config we then rejected."""
+    """Remove a run dir that Hydra created for a config we then rejected (never another user's)."""
     with contextlib.suppress(OSError):  # not empty, or already gone: leave it
-        run_dir.rmdir()
+        if run_dir.stat().st_uid == os.geteuid():
+            run_dir.rmdir()
 
 
 @dataclass(frozen=True)

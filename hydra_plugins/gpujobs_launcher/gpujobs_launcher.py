@@ -99,11 +99,13 @@ class GpujobsLauncher(Launcher):
         """Run the points' tasks with a plan active (`run_points`), then carry out the plan they made."""
         from gpujobs.errors import GpujobsError, SubmitError
         from gpujobs.launch.sweep import collecting, run_plan, summary  # lazily: plugin discovery stays fast
+        from gpujobs.rundir.trust import check_dir
 
         setup_globals()
         assert self.config is not None
         configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
         sweep_dir = Path(str(self.config.hydra.sweep.dir)).absolute()
+        check_dir("hydra.sweep.dir", sweep_dir)  # before a point's dir is made in it (any sweeper)
         sweep_dir.mkdir(parents=True, exist_ok=True)
         log.info(f"Launching {count} jobs (gpujobs launcher{how})")
         with collecting(sweep_dir) as plan:

@@ -60,11 +60,16 @@ class GpujobsSweeper(basic_sweeper.BasicSweeper):
 
     def sweep(self, arguments: list[str]) -> Any:
         """Derive and launch the points in one go where that is exact; otherwise sweep as the basic sweeper."""
+        from gpujobs.rundir.trust import check_dir
+
+        assert self.config is not None
+        # before either sweeper writes multirun.yaml in it, or Hydra makes a point's dir there
+        check_dir("hydra.sweep.dir", Path(str(self.config.hydra.sweep.dir)).absolute())
         derivable = self._derivable(arguments)
         if derivable is None:
             return super().sweep(arguments)
         parsed, applied = derivable
-        assert self.config is not None and self.hydra_context is not None
+        assert self.hydra_context is not None
         batch = self.split_arguments(parsed, None)[0]
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         sweep_dir.mkdir(parents=True, exist_ok=True)

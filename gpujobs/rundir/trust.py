@@ -1,0 +1,140 @@
+"""A run dir is trusted only if it is this user's; nothing in it is opened through a link.
+
+Whoever can write a run dir can plant a symlink where the job writes (heartbeat/rank_0.json ->
+~/.bashrc) or a pickle that submitit loads: they would have the job overwrite the user's files or run
+their code as the user. So a run dir (and a sweep dir) must be owned by the user who submits and runs
+it, and writable by no one else unless sticky (`open_to_others`, the rule `telemetry.prometheus_sd_dir`
+follows too): checked at submit (`check_dir`, a ConfigError naming the key) and on the job side before
+the pickles are read and the ranks write (`check_run_dir`). Inside it, the job makes its folders with
+`own_dir` and its files with `write_own` and reads them with `read_own`: a symlink, another user's
+entry or a folder others may write is refused (`Untrusted`), never followed.
+
+Torch-free.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import pwd
+import stat
+from pathlib import Path
+from typing import Optional
+
+from gpujobs.errors import ConfigError, GpujobsError
+
+#: What a trusted directory is, as the errors say it.
+ALLOWED = "a directory of this user's that no one else may write, unless sticky (chmod go-w, or chmod +t like /tmp)"
+
+
+class Untrusted(GpujobsError, PermissionError):
+    """An entry of the run dir that the job will not follow or write: a symlink, another user's, open to others."""
+
+
+def open_to_others(mode: int) -> bool:
+    """Whether a directory of `mode` lets users other than its owner replace its entries: writable by group
+    or others without the sticky bit (with it, only an entry's owner may rename or remove it)."""
+    return bool(mode & (stat.S_IWGRP | stat.S_IWOTH)) and not mode & stat.S_ISVTX
+
+
+def _user(uid: int) -> str:
+    try:
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def _problem(info: os.stat_result) -> Optional[str]:
+    """Why a directory with `info` (an lstat: a symlink is a problem) is not to be trusted, or None."""
+    if stat.S_ISLNK(info.st_mode):
+        return "a symlink"
+    if not stat.S_ISDIR(info.st_mode):
+        return "not a directory"
+    if info.st_uid != os.geteuid():
+        return f"owned by {_user(info.st_uid)}, not by {_user(os.geteuid())}, mode {stat.S_IMODE(info.st_mode):04o}"
+    if open_to_others(info.st_mode):
+        return f"writable by others: mode {stat.S_IMODE(info.st_mode):04o}"
+    return None
+
+
+def check_dir(key: str, path: Path) -> None:
+    """Refuse (ConfigError on `key`) a directory that is not trusted; the path itself may be a symlink
+    (to a directory of the user's), which is resolved now. An absent path passes: it is made later."""
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        return
+    found = _problem(info)
+    if found is not None:
+        raise ConfigError(key, str(path), f"{ALLOWED}; it is {found}")
+
+
+def check_run_dir(path: Path) -> None:
+    """The job side's check of its run dir (or submitit folder), before it reads a pickle or writes:
+    Untrusted, naming the directory, when it is not the user's alone."""
+    try:
+        check_dir("run dir", Path(path))
+    except ConfigError as err:
+        raise Untrusted(f"the run dir {path} is not trusted ({err.allowed}): the job does not run in it") from None
+
+
+def own_dir(parent: Path, *names: str, mode: int = 0o755) -> Path:
+    """`parent/names...`, each made when missing (`mode`: a umask of 002 adds no group write); Untrusted when
+    one is a symlink, not a directory, another user's or open to others (made by someone who could write the
+    run dir once)."""
+    path = Path(parent)
+    for name in names:
+        path = path / name
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path, mode)
+        found = _problem(os.lstat(path))
+        if found is not None:
+            raise Untrusted(f"{path} is {found}: the job does not write in it (remove it, if it is no run's)")
+    return path
+
+
+def _open(path: Path, flags: int, mode: int = 0o644) -> int:
+    """`os.open` that never follows a symlink at `path` (Untrusted, saying so)."""
+    try:
+        return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise Untrusted(f"{path} is a symlink: the job does not follow it (remove it, if it is no run's)") from None
+        raise
+
+
+def _own_file(fd: int, path: Path) -> int:
+    """`fd` when it is a regular file of this user's with no other name (no hard link to a file elsewhere)."""
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid() or info.st_nlink != 1:
+        os.close(fd)
+        raise Untrusted(f"{path} is not a file of this run's (another owner, a hard link or no regular file): "
+                        "the job does not write it")
+    return fd
+
+
+def open_own(path: Path, mode: int = 0o644) -> int:
+    """A descriptor to write `path` from its start, made when missing; a symlink there is not followed
+    (O_NOFOLLOW), and a file that is not the user's alone is left as it is (Untrusted): truncated only
+    once checked."""
+    fd = _own_file(_open(path, os.O_WRONLY | os.O_CREAT, mode), Path(path))
+    os.ftruncate(fd, 0)
+    return fd
+
+
+def write_own(path: Path, text: str) -> None:
+    """`path`'s whole text, written through `open_own`."""
+    fd = open_own(path)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(text)
+
+
+def read_own(path: Path) -> str:
+    """`path`'s text, read without following a symlink (Untrusted) and only from a regular file (a planted
+    FIFO would block the reader)."""
+    fd = _open(path, os.O_RDONLY | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as handle:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise Untrusted(f"{path} is no regular file: not read")
+        return handle.read().decode(errors="replace")
