@@ -12,6 +12,7 @@ import functools
 import os
 import signal
 import socket
+import sys
 import time
 from pathlib import Path
 from types import FrameType
@@ -25,7 +26,7 @@ from gpujobs.run.evidence import descendants, kill_tree, process_start
 from gpujobs.run.hangs import HangReport, Watchdog
 from gpujobs.run.payload import FromRunDir
 from gpujobs.run.script import record_completed
-from gpujobs.rundir.attempts import AttemptLog, Decision
+from gpujobs.rundir.attempts import AttemptLog, Decision, RequeuePolicy
 from gpujobs.rundir.records import read_result
 
 
@@ -77,7 +78,12 @@ def run_local(job: JobConfig, run_dir: Path) -> int:
             while True:
                 before, started, sjob = len(attempts.read()), time.time(), None
                 signals.stop_asked = False  # a USR2 between attempts asked nothing of the next one
-                sjob = executor.submit(FromRunDir(str(run_dir), master_port=free_port(), launcher=launcher))
+                try:
+                    sjob = executor.submit(FromRunDir(str(run_dir), master_port=free_port(), launcher=launcher))
+                except OSError as err:  # submitit writes the attempt's files into the run dir first (a full disk)
+                    print(f"gpujobs: attempt {before + 1} could not be started in {executor.folder}: "
+                          f"{err.strerror or err}", file=sys.stderr, flush=True)
+                    return 1
                 code = _follow_attempt(job, run_dir, executor, gpus, follower, signals, attempts, sjob, before, started)
                 if code is not None:
                     return code
@@ -220,9 +226,9 @@ def _record_interrupt(job: JobConfig, attempts: AttemptLog, before: int, sjob: A
     _kill_local_job(sjob)
     name = signal.Signals(signum).name
     if len(attempts.read()) == before:
-        attempts.record(job.cluster, "cancelled", recorded_by="launcher", start=round(started, 3),
-                        world_size=job.resources.ranks_per_node, error=f"the launcher got {name}",
-                        **job.resources.held_per_rank)
+        attempts.record_or_say(job.cluster, "cancelled", recorded_by="launcher", start=round(started, 3),
+                               world_size=job.resources.ranks_per_node, error=f"the launcher got {name}",
+                               **job.resources.held_per_rank)
     print(f"\ngpujobs: interrupted ({name}): local job {sjob.job_id} killed; its checkpoints stay in "
           f"{attempts.run_dir}, "
           "and the same command resumes from the last one", flush=True)
@@ -245,8 +251,8 @@ def _record_hang(job: JobConfig, attempts: AttemptLog, before: int, report: Hang
         print(f"gpujobs: {fields['error']}; killed after rank 0 recorded the attempt ({last.reason}); stacks in "
               f"{report.evidence_dir}", flush=True)
         return last.reason, Decision(last.requeue, last.why), last.error or fields["error"]
-    recorded = attempts.record(job.cluster, "hung", recorded_by="launcher", world_size=job.resources.ranks_per_node,
-                               **job.resources.held_per_rank, **fields)
+    recorded = attempts.record_or_say(job.cluster, "hung", recorded_by="launcher",
+                                      world_size=job.resources.ranks_per_node, **job.resources.held_per_rank, **fields)
     print(f"gpujobs: {fields['error']}; stacks in {report.evidence_dir}", flush=True)
     return "hung", Decision(recorded.requeue, recorded.why), fields["error"]
 
@@ -263,10 +269,13 @@ def _judge_attempt(job: JobConfig, attempts: AttemptLog, before: int, error: str
     history = attempts.read()
     if len(history) > before:
         last = history[-1]
+        if attempts.unrecorded and last.requeue:  # rank 0 could not count the lines the disk did not take
+            decision = RequeuePolicy.of(job.cluster).decide(history[:-1], last.reason)
+            return last.reason, decision, last.error or error
         return last.reason, Decision(last.requeue, last.why), last.error or error
     ranks = job.resources.ranks_per_node  # a local job's ranks: one node's
     reason, fields = failures.left_outcome(attempts.run_dir, ranks, attempt) or (
         "failed", {"error": failures.silent(attempts.run_dir, ranks, attempt, error) or error})
-    recorded = attempts.record(job.cluster, reason, recorded_by="launcher", world_size=ranks,
-                               start=round(started, 3), **job.resources.held_per_rank, **fields)
+    recorded = attempts.record_or_say(job.cluster, reason, recorded_by="launcher", world_size=ranks,
+                                      start=round(started, 3), **job.resources.held_per_rank, **fields)
     return reason, Decision(recorded.requeue, recorded.why), fields.get("error", error)
