@@ -18,8 +18,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import SLOW, read_metrics, read_result, submit
+from conftest import SLOW, compose_job, read_metrics, read_result, submit
 from jobctl import RunningJob, attempts
+
+from gpujobs.rundir.attempts import AttemptLog, AttemptNotRecorded
 
 
 @contextlib.contextmanager
@@ -211,3 +213,62 @@ def test_a_failed_attempt_names_the_newest_background_save_it_took(tmp_path: Pat
                        if (p / "COMPLETE").exists())
     saved = int(Path(line["saved"]).name.split("_")[1])
     assert saved in published and published[-1] - saved <= 1, (saved, published)
+
+
+def leave_free(directory: Path, free: int) -> Path:
+    """Fill `directory`'s filesystem up to `free` bytes left; returns the filler file."""
+    stat = os.statvfs(directory)
+    filler = directory / "filler"
+    filler.write_bytes(b"\0" * (stat.f_bavail * stat.f_frsize - free))
+    return filler
+
+
+def test_a_ledger_line_a_full_disk_refuses_is_said_in_one_line(tmp_path: Path) -> None:
+    """16 KB free under the run dir: the ranks fail, no line of the ledger fits, and the restart cannot
+    be started. Each is said in one line on stderr, not a traceback; the budget counted the attempt
+    (`test_an_attempt_no_line_fits_is_still_counted...` shows the count going on)."""
+    with small_disk(tmp_path / "disk", "4m") as disk:
+        leave_free(disk, 16 * 1024)
+        run_dir = disk / "run"
+        proc = submit(run_dir, *SLOW, "cluster.max_restarts=1")
+        ledger = (run_dir / "attempts.jsonl").read_text()
+    assert proc.returncode == 1 and "Traceback" not in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+    unwritten, unstarted = proc.stderr.splitlines()[-2:]
+    assert unwritten == (f"gpujobs: attempt 1 ended failed (failed 1 of at most 1), but its line could not be "
+                         f"written to {run_dir / 'attempts.jsonl'}: No space left on device; the budgets still "
+                         "count it"), proc.stderr
+    assert unstarted == f"gpujobs: attempt 2 could not be started in {run_dir / 'submitit'}: No space left on device"
+    assert ledger == ""
+
+
+def test_a_ledger_line_too_long_for_the_disk_is_written_without_its_details(tmp_path: Path) -> None:
+    """A full disk whose attempts.jsonl has room left in its last block for a short line, not a long one
+    (a failed attempt's error): the short line goes in, the long one leaves no torn part behind."""
+    cluster = compose_job("cluster=local", "cluster.max_restarts=3").cluster
+    with small_disk(tmp_path / "disk", "1m") as disk:
+        log = AttemptLog(disk)
+        log.record(cluster, "preempted", start=1.0, world_size=2)
+        fill(disk)
+        recorded = log.record(cluster, "failed", start=2.0, world_size=2, error="x" * 8192, saved="step_00000020")
+        lines = [json.loads(line) for line in log.path.read_text().splitlines()]
+    assert [line["reason"] for line in lines] == ["preempted", "failed"], lines
+    assert "error" not in lines[1] and lines[1]["saved"] == "step_00000020" and lines[1]["world_size"] == 2, lines
+    assert lines[1]["why"] == "failed 1 of at most 3 (written without its details: the disk was full)", lines
+    assert recorded.to_json() == lines[1]
+
+
+def test_an_attempt_no_line_fits_is_still_counted_and_written_once_there_is_room(tmp_path: Path) -> None:
+    cluster = compose_job("cluster=local", "cluster.max_restarts=1").cluster
+    with small_disk(tmp_path / "disk", "1m") as disk:
+        log = AttemptLog(disk)
+        filler = fill(disk)
+        with pytest.raises(AttemptNotRecorded, match=r"attempt 1 ended failed .* No space left on device"):
+            log.record(cluster, "failed", start=1.0)
+        with pytest.raises(AttemptNotRecorded) as second:
+            log.record(cluster, "failed", start=2.0)
+        assert second.value.attempt.requeue is False and "budget exhausted" in second.value.attempt.why
+        assert [a.attempt for a in log.read()] == [1, 2] and log.path.read_text() == ""
+        filler.unlink()
+        log.record(cluster, "cancelled", start=3.0)
+        assert [a.attempt for a in log.read()] == [1, 2, 3] and not log.unrecorded
+        assert [json.loads(line)["attempt"] for line in log.path.read_text().splitlines()] == [1, 2, 3]

@@ -96,3 +96,36 @@ def test_a_script_job_whose_launcher_is_killed_outright_is_recorded_interrupted(
     assert interrupted["reason"] == "interrupted" and interrupted["requeue"] is False, interrupted
     assert f"its launcher (pid {job.proc.pid}) was gone" in interrupted["error"], interrupted
     assert interrupted["world_size"] == 2 and interrupted["start"] < interrupted["end"], interrupted
+
+
+def test_a_second_sigterm_while_the_first_is_handled_records_the_attempt_once(tmp_path: Path) -> None:
+    """`kill` twice, 30 ms apart (systemd's stop and a user's, say): the second comes while the first
+    kills the job; it must not cut that short, leaving two tracebacks and no line."""
+    run_dir = tmp_path / "run"
+    job = RunningJob(run_dir, *SLOW)
+    job.wait_for_step(12)
+    os.kill(job.proc.pid, signal.SIGTERM)
+    time.sleep(0.03)
+    os.kill(job.proc.pid, signal.SIGTERM)
+    assert job.wait(timeout=60) == 128 + signal.SIGTERM, job.output()
+    (line,) = attempts(run_dir)
+    assert line["reason"] == "cancelled" and line["error"] == "the launcher got SIGTERM", line
+    assert "Traceback" not in job.output() and job.output().count("interrupted (SIGTERM)") == 1, job.output()
+
+
+def test_usr2_to_the_local_launcher_stops_and_restarts_the_job_as_slurm_requeues_it(
+    tmp_path: Path, straight_digest: str
+) -> None:
+    """USR2 to the launcher means what it means on Slurm: the ranks save an agreed checkpoint and stop,
+    recorded `preempted`, and the next attempt resumes from it, losing nothing."""
+    run_dir = tmp_path / "run"
+    job = RunningJob(run_dir, *SLOW)
+    job.wait_for_step(15)
+    os.kill(job.proc.pid, signal.SIGUSR2)
+    assert job.wait() == 0, job.output()
+    preempted, completed = attempts(run_dir)
+    assert preempted["reason"] == "preempted" and preempted["requeue"] is True, preempted
+    assert preempted["recorded_by"] == "rank 0" and preempted["why"] == "preempted 1 of at most 20", preempted
+    assert completed["reason"] == "completed" and completed["resumed_from"] == preempted["saved"], completed
+    assert completed["start_step"] == preempted["steps_done"]  # zero steps redone
+    assert read_result(run_dir)["param_digest"] == straight_digest

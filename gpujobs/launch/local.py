@@ -11,8 +11,8 @@ import contextlib
 import functools
 import os
 import signal
+import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
 from typing import Any, Optional
@@ -26,7 +26,7 @@ from gpujobs.run.hangs import HangReport, Watchdog
 from gpujobs.run.jobenv import free_port
 from gpujobs.run.payload import FromRunDir
 from gpujobs.run.script import record_completed
-from gpujobs.rundir.attempts import AttemptLog, Decision
+from gpujobs.rundir.attempts import AttemptLog, Decision, RequeuePolicy
 from gpujobs.rundir.records import read_result
 
 
@@ -62,79 +62,153 @@ def run_local(job: JobConfig, run_dir: Path) -> int:
         timeout_min=job.cluster.timeout_min,
         signal_delay_s=job.cluster.signal_lead_s,
     )
-    backend = "nccl" if res.gpus_per_node else "gloo"
     attempts = AttemptLog(run_dir)
     launcher = (os.getpid(), process_start(os.getpid()))
-    with JobFollower(run_dir, job) as follower, interrupts_as_keyboard():
-        while True:
-            before = len(attempts.read())
-            started = time.time()
-            try:
-                sjob = executor.submit(FromRunDir(str(run_dir), master_port=free_port(), launcher=launcher))
-            except KeyboardInterrupt:
+    with JobFollower(run_dir, job) as follower, LauncherSignals() as signals:
+        sjob: Any = None  # the attempt running now (None: none started yet)
+        before, started = 0, 0.0
+        try:
+            while True:
+                before, started, sjob = len(attempts.read()), time.time(), None
+                signals.stop_asked = False  # a USR2 between attempts asked nothing of the next one
+                try:
+                    sjob = executor.submit(FromRunDir(str(run_dir), master_port=free_port(), launcher=launcher))
+                except OSError as err:  # submitit writes the attempt's files into the run dir first (a full disk)
+                    print(f"gpujobs: attempt {before + 1} could not be started in {executor.folder}: "
+                          f"{err.strerror or err}", file=sys.stderr, flush=True)
+                    return 1
+                code = _follow_attempt(job, run_dir, executor, gpus, follower, signals, attempts, sjob, before, started)
+                if code is not None:
+                    return code
+        except KeyboardInterrupt as stop:
+            if sjob is None:
                 print("gpujobs: interrupted before the local job started", flush=True)
-                return 130
-            # submitit waits up to 15 s per rank for a result file that a slow shared filesystem may
-            # not show yet; here the disk is local, and a rank that stopped to be requeued leaves none.
-            for task in sjob._sub_jobs or [sjob]:
-                task._results_timeout_s = 0
-            print(
-                f"gpujobs: local job {sjob.job_id} (attempt {before + 1}): {res.ranks_per_node} ranks, "
-                f"{backend}{f' on GPUs {gpus}' if gpus else ''}, run dir {run_dir}",
-                flush=True,
-            )
-            watchdog = Watchdog.for_job(run_dir, job, res.ranks_per_node, f"local:{sjob.job_id}", before + 1,
-                                        kill=functools.partial(_kill_local_job, sjob))
-            try:
-                error = follower.follow(sjob, tick=watchdog.tick if watchdog else None)
-            except KeyboardInterrupt as stop:
-                return _record_interrupt(job, attempts, before, sjob, started, stop)
-            finally:  # the ranks are gone: a target rank 0 could not withdraw (killed) goes with them
-                from gpujobs.run.prometheus import withdraw_left_target
+                return 128 + (stop.signum if isinstance(stop, Interrupted) else signal.SIGINT)
+            return _record_interrupt(job, attempts, before, sjob, started, stop)
 
-                withdraw_left_target(run_dir)
-            if error is None:
-                if job.script is not None and len(attempts.read()) == before:  # its ranks left the line to us
-                    record_completed(run_dir, job, res.ranks_per_node, started, time.time() - started,
-                                     recorded_by="launcher")
-                follower.print_result()
-                return 0
-            if watchdog is not None and watchdog.report is not None:
-                reason, decision, error = _record_hang(job, attempts, before, watchdog.report)
-                if reason == "completed" and read_result(run_dir) is not None:  # only its end hung: the run is done
-                    follower.print_result()
-                    return 0
-            else:
-                reason, decision, error = _judge_attempt(job, attempts, before, error, f"local:{sjob.job_id}", started)
-            if not decision.requeue:
-                print(f"gpujobs: job ended: {reason}, {decision.why}; last error: {error}")
-                print(f"gpujobs: per-rank logs in {executor.folder}")
-                return 1
-            print(f"gpujobs: attempt {before + 1} {reason} ({decision.why}); restarting from the last checkpoint")
+
+def _follow_attempt(job: JobConfig, run_dir: Path, executor: Any, gpus: list[int], follower: JobFollower,
+                    signals: LauncherSignals, attempts: AttemptLog, sjob: Any, before: int,
+                    started: float) -> Optional[int]:
+    """Follow one attempt to its end and record it where its ranks did not; returns the launcher's exit
+    code, or None when the job goes again."""
+    res = job.resources
+    # submitit waits up to 15 s per rank for a result file that a slow shared filesystem may
+    # not show yet; here the disk is local, and a rank that stopped to be requeued leaves none.
+    for task in sjob._sub_jobs or [sjob]:
+        task._results_timeout_s = 0
+    print(
+        f"gpujobs: local job {sjob.job_id} (attempt {before + 1}): {res.ranks_per_node} ranks, "
+        f"{'nccl' if res.gpus_per_node else 'gloo'}{f' on GPUs {gpus}' if gpus else ''}, run dir {run_dir}",
+        flush=True,
+    )
+    watchdog = Watchdog.for_job(run_dir, job, res.ranks_per_node, f"local:{sjob.job_id}", before + 1,
+                                kill=functools.partial(_kill_local_job, sjob))
+
+    def tick() -> None:
+        signals.forward_stop(int(sjob.job_id), res.ranks_per_node)
+        if watchdog is not None:
+            watchdog.tick()
+
+    try:
+        error = follower.follow(sjob, tick=tick)
+    finally:  # the ranks are gone: a target rank 0 could not withdraw (killed) goes with them
+        from gpujobs.run.prometheus import withdraw_left_target
+
+        withdraw_left_target(run_dir)
+    if error is None:
+        if job.script is not None and len(attempts.read()) == before:  # its ranks left the line to us
+            record_completed(run_dir, job, res.ranks_per_node, started, time.time() - started,
+                             recorded_by="launcher")
+        follower.print_result()
+        return 0
+    if watchdog is not None and watchdog.report is not None:
+        reason, decision, error = _record_hang(job, attempts, before, watchdog.report)
+        if reason == "completed" and read_result(run_dir) is not None:  # only its end hung: the run is done
+            follower.print_result()
+            return 0
+    else:
+        reason, decision, error = _judge_attempt(job, attempts, before, error, f"local:{sjob.job_id}", started)
+    if not decision.requeue:
+        print(f"gpujobs: job ended: {reason}, {decision.why}; last error: {error}")
+        print(f"gpujobs: per-rank logs in {executor.folder}")
+        return 1
+    print(f"gpujobs: attempt {before + 1} {reason} ({decision.why}); restarting from the last checkpoint")
+    return None
 
 
 class Interrupted(KeyboardInterrupt):
-    """SIGTERM or SIGHUP to the launcher: handled as Ctrl-C is (the local job goes with its launcher)."""
+    """SIGTERM, SIGHUP or SIGINT to the launcher: the local job goes with its launcher."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
 
 
-@contextlib.contextmanager
-def interrupts_as_keyboard() -> Iterator[None]:
-    """While the launcher follows a local job, SIGTERM and SIGHUP (a `kill`, a closed terminal) stop it as
-    Ctrl-C does: the job is killed and its attempt recorded, never left running without its launcher."""
+#: What stops the launcher (a `kill`, a closed terminal, Ctrl-C), and what asks the job to stop and go again.
+_STOPS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+_STOP_AND_REQUEUE = signal.SIGUSR2
 
-    def stop(signum: int, frame: Optional[FrameType]) -> None:
-        raise Interrupted(signum)
 
-    previous = {signum: signal.signal(signum, stop) for signum in (signal.SIGTERM, signal.SIGHUP)}
+class LauncherSignals:
+    """The launcher's signals while it follows a local job.
+
+    SIGTERM, SIGHUP and SIGINT stop it: the first raises `Interrupted` (once: the job is killed and its
+    attempt recorded, then the launcher exits 128 + that signal); any that follow are ignored, so a
+    second `kill` cannot tear the handling of the first. USR2 means what it means on Slurm: the ranks
+    get it (`forward_stop`, from the follower's poll), save an agreed checkpoint and record the attempt
+    `preempted`, and the launcher starts the next one within `cluster.max_preemptions`.
+    """
+
+    def __init__(self) -> None:
+        self.stopping: Optional[int] = None
+        self.stop_asked = False
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> LauncherSignals:
+        for signum in (*_STOPS, _STOP_AND_REQUEUE):
+            if signal.getsignal(signum) is signal.SIG_IGN:
+                continue  # ignored where we were started (`nohup`, a background job): it stays so
+            self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, handler in self._previous.items():
+            # once stopping, the launcher only exits: a late signal must not cut its last words short
+            stay = self.stopping is not None and signum in _STOPS
+            signal.signal(signum, signal.SIG_IGN if stay else handler)
+
+    def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
+        if signum == _STOP_AND_REQUEUE:
+            self.stop_asked = True  # only a flag: the follower's next poll passes it on
+            return
+        if self.stopping is None:
+            self.stopping = signum
+            raise Interrupted(signum)
+
+    def forward_stop(self, controller: int, ranks: int) -> None:
+        """Pass an asked-for stop to the processes of local job `controller` that handle USR2, as Slurm
+        signals every process of a step: its `ranks` (one still starting would die of USR2: it gets it at
+        a later poll) and a script that installed a handler of its own. The flag drops once all ranks have it."""
+        if not self.stop_asked:
+            return
+        ready = {pid: parent for pid in descendants(controller)
+                 if (parent := _parent_if_catching(pid, _STOP_AND_REQUEUE)) is not None}
+        for pid in ready:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, _STOP_AND_REQUEUE)
+        if list(ready.values()).count(controller) >= ranks:
+            self.stop_asked = False
+
+
+def _parent_if_catching(pid: int, signum: int) -> Optional[int]:
+    """The parent of process `pid` where it has a handler for `signum` (/proc/PID/status), else None."""
     try:
-        yield
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+        status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+        catches = int(status["SigCgt"], 16) >> (signum - 1) & 1
+        return int(status["PPid"]) if catches else None
+    except (OSError, ValueError, KeyError):
+        return None
 
 
 def _record_interrupt(job: JobConfig, attempts: AttemptLog, before: int, sjob: Any, started: float,
@@ -145,9 +219,9 @@ def _record_interrupt(job: JobConfig, attempts: AttemptLog, before: int, sjob: A
     _kill_local_job(sjob)
     name = signal.Signals(signum).name
     if len(attempts.read()) == before:
-        attempts.record(job.cluster, "cancelled", recorded_by="launcher", start=round(started, 3),
-                        world_size=job.resources.ranks_per_node, error=f"the launcher got {name}",
-                        **job.resources.held_per_rank)
+        attempts.record_or_say(job.cluster, "cancelled", recorded_by="launcher", start=round(started, 3),
+                               world_size=job.resources.ranks_per_node, error=f"the launcher got {name}",
+                               **job.resources.held_per_rank)
     print(f"\ngpujobs: interrupted ({name}): local job {sjob.job_id} killed; its checkpoints stay in "
           f"{attempts.run_dir}, "
           "and the same command resumes from the last one", flush=True)
@@ -170,8 +244,8 @@ def _record_hang(job: JobConfig, attempts: AttemptLog, before: int, report: Hang
         print(f"gpujobs: {fields['error']}; killed after rank 0 recorded the attempt ({last.reason}); stacks in "
               f"{report.evidence_dir}", flush=True)
         return last.reason, Decision(last.requeue, last.why), last.error or fields["error"]
-    recorded = attempts.record(job.cluster, "hung", recorded_by="launcher", world_size=job.resources.ranks_per_node,
-                               **job.resources.held_per_rank, **fields)
+    recorded = attempts.record_or_say(job.cluster, "hung", recorded_by="launcher",
+                                      world_size=job.resources.ranks_per_node, **job.resources.held_per_rank, **fields)
     print(f"gpujobs: {fields['error']}; stacks in {report.evidence_dir}", flush=True)
     return "hung", Decision(recorded.requeue, recorded.why), fields["error"]
 
@@ -188,10 +262,13 @@ def _judge_attempt(job: JobConfig, attempts: AttemptLog, before: int, error: str
     history = attempts.read()
     if len(history) > before:
         last = history[-1]
+        if attempts.unrecorded and last.requeue:  # rank 0 could not count the lines the disk did not take
+            decision = RequeuePolicy.of(job.cluster).decide(history[:-1], last.reason)
+            return last.reason, decision, last.error or error
         return last.reason, Decision(last.requeue, last.why), last.error or error
     ranks = job.resources.ranks_per_node  # a local job's ranks: one node's
     reason, fields = failures.left_outcome(attempts.run_dir, ranks, attempt) or (
         "failed", {"error": failures.silent(attempts.run_dir, ranks, attempt, error) or error})
-    recorded = attempts.record(job.cluster, reason, recorded_by="launcher", world_size=ranks,
-                               start=round(started, 3), **job.resources.held_per_rank, **fields)
+    recorded = attempts.record_or_say(job.cluster, reason, recorded_by="launcher", world_size=ranks,
+                                      start=round(started, 3), **job.resources.held_per_rank, **fields)
     return reason, Decision(recorded.requeue, recorded.why), fields.get("error", error)

@@ -32,6 +32,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Optional
 
+from gpujobs.config import JobConfig
 from gpujobs.run import failures, start
 from gpujobs.run.hangs import Watchdog
 from gpujobs.run.heartbeat import STACKS_SIGNAL, instance
@@ -39,7 +40,7 @@ from gpujobs.run.jobenv import allocated_world_size
 from gpujobs.run.preemption import record_attempt, slurm_job_id
 from gpujobs.run.prometheus import withdraw_left_target
 from gpujobs.run.script import record_completed
-from gpujobs.rundir.attempts import AttemptLog
+from gpujobs.rundir.attempts import AttemptLog, AttemptNotRecorded, say_unrecorded
 from gpujobs.rundir.files import read_config
 
 _WATCH_S = 0.5
@@ -141,28 +142,38 @@ def supervise(run_dir: Path, job_id: str, command: list[str]) -> int:
     withdraw_left_target(train_dir)  # the ranks are gone: a target rank 0 could not withdraw (killed) goes too
     if len(ledger.read()) > before:
         return code  # rank 0 recorded the attempt (and requeued the job if it may go again)
+    try:
+        _record_step(train_dir, job, watchdog, code, lines, started)
+    except AttemptNotRecorded as err:  # a full disk: said in one line, as the local launcher says it
+        say_unrecorded(err)
+    return code
+
+
+def _record_step(train_dir: Path, job: JobConfig, watchdog: Optional[Watchdog], code: int, lines: list[str],
+                 started: float) -> None:
+    """Record the attempt its ranks did not: hung, completed (a script's), or how they ended."""
+    world = allocated_world_size()
     if watchdog is not None and watchdog.report is not None:
         record_attempt(str(train_dir), job, "hung", recorded_by="supervisor", world_size=world,
                        **watchdog.report.attempt_fields())
-        return code
+        return
     ranks = world or job.resources.world_size
     if code == 0:
         if job.script is not None:  # every rank's script exited 0: the line is ours (`record_completed`)
             record_completed(train_dir, job, ranks, started, time.time() - started, recorded_by="supervisor")
-        return code
+        return
     left = failures.left_outcome(train_dir, ranks, instance())
     if left is not None:  # a rank lived to say why it failed or stopped (after rank 0 was done, or died)
         reason, fields = left
         record_attempt(str(train_dir), job, reason, recorded_by="supervisor", world_size=ranks,
                        start=round(started, 3), **fields)
-        return code
+        return
     what = died(lines)
     error = "; ".join(what) if what else f"srun exited with code {code}"
     why = f"the ranks recorded nothing: {error}"
     # SLURM_NTASKS of the batch step: the allocation's ranks (an elastic job's differ between attempts)
     record_attempt(str(train_dir), job, "failed", recorded_by="supervisor", error=why, start=round(started, 3),
                    world_size=allocated_world_size(), node=crashed_node(lines))
-    return code
 
 
 def _stay(signum: int, frame: Optional[FrameType]) -> None:

@@ -10,8 +10,11 @@ against its own (`cluster.max_unhealthy`): it blames a node, which leaves the jo
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +22,7 @@ from typing import Any
 
 from gpujobs.atomic import append_jsonl, write_text_atomic
 from gpujobs.config import ClusterConfig
+from gpujobs.errors import GpujobsError
 from gpujobs.rundir import ATTEMPTS_FILE
 from gpujobs.rundir.records import Attempt, read_attempts
 
@@ -62,35 +66,100 @@ class RequeuePolicy:
         return Decision(False, f"{reason} budget exhausted ({budget} {reason} attempts allowed){shared}")
 
 
+# What a line keeps when the whole one does not fit (a full disk): what budgets, `status` and `cost` read.
+_ESSENTIAL = frozenset({"attempt", "reason", "requeue", "why", "end", "start", "job_id", "recorded_by",
+                        "world_size", "unit", "per_rank", "start_step", "steps_done", "saved", "excluded"})
+
+
+class AttemptNotRecorded(GpujobsError):
+    """An attempt's line could not be written, not even without its details (a full disk)."""
+
+    def __init__(self, attempt: Attempt, path: Path, err: OSError) -> None:
+        self.attempt = attempt
+        super().__init__(f"attempt {attempt.attempt} ended {attempt.reason} ({attempt.why}), but its line could "
+                         f"not be written to {path}: {err.strerror or err}; the budgets still count it")
+
+
 class AttemptLog:
-    """Appends and reads `attempts.jsonl` (one writer at a time: rank 0, or the local launcher)."""
+    """Appends and reads `attempts.jsonl` (one writer at a time: rank 0, or the local launcher).
+
+    A line that cannot be written whole (a full disk) is written without its details; one that cannot
+    be written at all is kept here (`unrecorded`), counted by this log's decisions and written before
+    its next line: a launcher that outlives a full disk still spends the budgets.
+    """
 
     def __init__(self, run_dir: Path) -> None:
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / ATTEMPTS_FILE
+        self.unrecorded: list[Attempt] = []
 
     def read(self) -> list[Attempt]:
-        """All attempts, oldest first (a torn last line from a crash is ignored)."""
-        return read_attempts(self.run_dir)
+        """All attempts, oldest first (a torn last line from a crash is ignored), with those this log
+        could not write."""
+        return sorted([*read_attempts(self.run_dir), *self.unrecorded], key=lambda attempt: attempt.end)
 
     def record(self, cluster: ClusterConfig, reason: str, **fields: Any) -> Attempt:
         """Decide whether another attempt may follow the one that just ended with `reason`, and write
-        its line (`fields`: the other `Attempt` fields); returns the attempt as written."""
+        its line (`fields`: the other `Attempt` fields); returns the attempt as written.
+
+        Raises AttemptNotRecorded (the attempt kept in `unrecorded`) when no line could be written."""
         history = self.read()
         decision = RequeuePolicy.of(cluster).decide(history, reason)
         attempt = Attempt(
             attempt=len(history) + 1, reason=reason, requeue=decision.requeue, why=decision.why,
             end=round(time.time(), 3), **fields,
         )
-        self._append(attempt)
-        return attempt
+        for earlier in list(self.unrecorded):  # one that fits now goes in first, in its place
+            with contextlib.suppress(AttemptNotRecorded):
+                self._append(earlier)
+                self.unrecorded.remove(earlier)
+        try:
+            return self._append(attempt)
+        except AttemptNotRecorded:
+            self.unrecorded.append(attempt)
+            raise
+
+    def record_or_say(self, cluster: ClusterConfig, reason: str, **fields: Any) -> Attempt:
+        """`record`, for what stands beside the ranks (the launcher, the supervisor): a line that cannot be
+        written is said in one line on stderr instead, and the attempt is returned as decided."""
+        try:
+            return self.record(cluster, reason, **fields)
+        except AttemptNotRecorded as err:
+            say_unrecorded(err)
+            return err.attempt
 
     def amend_last(self, **changes: Any) -> Attempt:
         """Update the last attempt's line in place (atomically: the file is rewritten whole)."""
-        attempts = self.read()
+        attempts = read_attempts(self.run_dir)
         attempts[-1] = dataclasses.replace(attempts[-1], **changes)
         write_text_atomic(self.path, "".join(json.dumps(a.to_json(), sort_keys=True) + "\n" for a in attempts))
         return attempts[-1]
 
-    def _append(self, attempt: Attempt) -> None:
-        append_jsonl(self.path, attempt.to_json(), durable=True)
+    def _append(self, attempt: Attempt) -> Attempt:
+        """Write `attempt`'s line, or, where it does not fit, the line without its details; returns the
+        attempt as written."""
+        short = dataclasses.replace(attempt, why=f"{attempt.why} (written without its details: the disk was full)")
+        lines = (attempt.to_json(), {key: value for key, value in short.to_json().items() if key in _ESSENTIAL})
+        failed = OSError("not written")
+        for line in lines:
+            try:
+                size = self.path.stat().st_size
+            except FileNotFoundError:
+                size = 0
+            try:
+                append_jsonl(self.path, line, durable=True)
+            except OSError as err:
+                failed = err
+                # a part-written line would take the room the short one needs: the file goes back as it was
+                with contextlib.suppress(OSError):
+                    os.truncate(self.path, size)
+                continue
+            written = Attempt.from_json(line)
+            assert written is not None  # built from an Attempt: it reads back as one
+            return written
+        raise AttemptNotRecorded(attempt, self.path, failed)
+
+
+def say_unrecorded(err: AttemptNotRecorded) -> None:
+    """One line on stderr for an attempt whose line could not be written."""
+    print(f"gpujobs: {err}", file=sys.stderr, flush=True)
