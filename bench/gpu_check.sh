@@ -17,7 +17,11 @@
 #      no second copy of the state into GPU memory; a rank's CUDA stream is saved alone and restored where
 #      fewer GPUs are seen; amp=auto trains bf16 from compute capability 8.0, fp32 before; batches are
 #      gathered into pinned memory and copied without blocking (the host time to queue them is printed);
-#   7. bench/bench_gpu.py: samples/s of the gpujobs Trainer against a plain loop on one GPU.
+#   7. the straggler signal on CUDA: the compute clock leaves out what the GPU still had queued (the wait
+#      in the last all-reduce) where the host clock over a blocking copy holds it, and the slow-GPU
+#      emulation slows by the rank's own compute; with 2+ GPUs, a rank slowed that way under NCCL, in a job
+#      that copies its batches blocking from pageable memory, is named the straggler;
+#   8. bench/bench_gpu.py: samples/s of the gpujobs Trainer against a plain loop on one GPU.
 # Without a GPU it stops at once with one line and exit code 3. Usage: bash bench/gpu_check.sh [overrides...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -92,6 +96,8 @@ echo "== checks"
 import json, sys
 from pathlib import Path
 
+import yaml
+
 run, ranks = Path(sys.argv[1]), int(sys.argv[2])
 result = json.loads((run / "result.json").read_text())
 assert result["status"] == "completed" and result["world_size"] == ranks, result
@@ -105,6 +111,12 @@ assert train and all(len(r["step_time_s"]) == ranks and min(r["step_time_s"]) > 
     "no train record holds every rank's gathered step time"
 records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 assert all(min(r["compute_s_per_sample"]) > 0 for r in train), "no compute time measured (CUDA events)"
+# log_every (20) = balance_every: a window's rows per rank are its record's plan, and on CUDA the local time
+# the straggler check compares is the compute clock's: per sample x rows per step
+accum = yaml.safe_load((run / "config.yaml").read_text())["trainer"]["grad_accum"]
+for r in train:
+    for local, per_sample, count in zip(r["local_time_s"], r["compute_s_per_sample"], r["counts"], strict=True):
+        assert abs(local - per_sample * count * accum) <= 0.01 * local + 2e-6, ("local time is not the clock's", r)
 saves = [r for r in records if r["kind"] == "checkpoint"]
 assert [r["async"] for r in saves].count(True) >= 5 and saves[-1]["async"] is False, saves
 assert result["samples"] == 300 * 256 * ranks and result["saved"].endswith("step_00000300"), result
@@ -252,6 +264,94 @@ for pinned in (False, True):
     print(f"{'pinned  ' if pinned else 'pageable'}: 200 batches of {rows} rows queued in {queued:.3f} s, "
           f"copied in {done:.3f} s")
 PY
+
+echo "== the straggler signal on CUDA: the compute clock, not the host clock"
+"$py" - <<'PY'
+import time
+
+import torch
+
+from gpujobs.run.compute_clock import ComputeClock
+
+device = torch.device("cuda", 0)
+torch.cuda.set_device(device)
+model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.ReLU(), torch.nn.Linear(512, 1)).to(device)
+rows = torch.randn(4096, 512)  # pageable: its copy to the GPU blocks the host until the GPU gets to it
+
+def gpu_ms(cycles):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+gpu_ms(1000)
+wait_cycles = int(1_000_000 * 50 / gpu_ms(1_000_000))  # ~50 ms of GPU time
+
+def steps(clock, n=10):
+    """n steps that each find the GPU still busy 50 ms (a fast rank's wait in the last all-reduce)."""
+    host = 0.0
+    for _ in range(n):
+        torch.cuda._sleep(wait_cycles)
+        clock.start()
+        started = time.perf_counter()
+        loss = model(rows.to(device)).square().mean()
+        host += time.perf_counter() - started  # the old signal: data + forward on the host clock
+        loss.backward()
+        clock.end()
+    return host / n, clock.read() / n
+
+steps(ComputeClock(device), 2)  # warm-up
+host, own = steps(ComputeClock(device))
+assert host >= 0.045, f"the blocking copy did not wait for the queued work ({host * 1e3:.1f} ms): no check"
+assert own < 0.01, f"the compute clock holds the queued wait: {own * 1e3:.1f} ms a step (host {host * 1e3:.1f} ms)"
+_, slowed = steps(ComputeClock(device, slow_factor=3))
+assert 2 * own <= slowed < 0.045, f"3x slowed: {slowed * 1e3:.2f} ms, own {own * 1e3:.2f} ms: the emulation sleeps on the wait"
+print(f"ok: with 50 ms queued before each step, the host clock reads {host * 1e3:.1f} ms a step, the compute "
+      f"clock {own * 1e3:.2f} ms ({slowed * 1e3:.2f} ms slowed 3x)")
+PY
+if [ "$ranks" -ge 2 ]; then
+  echo "== a slowed rank under NCCL is named the straggler (a job that copies its batches blocking)"
+  slow_dir=$(mktemp -d)
+  # A user's job may copy from pageable memory without non_blocking: the signal must not depend on it.
+  cat >"$slow_dir/blocking_rec.py" <<'PY'
+"""The rec task, copying its batches to the GPU from pageable memory, blocking (gpu_check's job)."""
+from jobs.rec.task import RecTask
+
+
+class BlockingRec(RecTask):
+    def train_batch(self, step, start, stop, device):
+        return self.data.train_rows(step, start, stop).to(device)
+
+
+def build_task(model_cfg, data_cfg, world_size, micro_batches):
+    return BlockingRec(model_cfg, data_cfg, world_size, micro_batches)
+PY
+  PYTHONPATH="$slow_dir:$PWD${PYTHONPATH:+:$PYTHONPATH}" timeout 300 "$py" -m gpujobs.submit +experiment=rec cluster=local \
+    resources.gpus_per_node=2 task=blocking_rec:build_task trainer.max_steps=100 trainer.log_every=10 \
+    trainer.eval_every=0 checkpoint.every_steps=0 trainer.progress=false telemetry.gpu=false trainer.balance=off \
+    telemetry.debug_slow_rank=1 telemetry.debug_slow_factor=4 "hydra.run.dir=$slow_dir/run" "$@" >"$slow_dir/out.txt" 2>&1 \
+    || { tail -20 "$slow_dir/out.txt"; fail "the slowed-rank run failed (output in $slow_dir/out.txt)"; }
+  "$py" - "$slow_dir/run" <<'PY'
+import json, sys
+from pathlib import Path
+
+run = Path(sys.argv[1])
+train = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"]
+late = train[1:]  # the first window holds CUDA's warm-up
+assert len(late) >= 5, train
+# rank 1 spends 4x its own compute: 4 / median(1, 4) = 1.6
+assert all(r["slowest_rank"] == 1 and r["imbalance"] > 1.3 for r in late), [(r["step"], r["local_time_s"]) for r in late]
+log0 = next((run / "submitit").glob("*_0_log.err")).read_text()
+warnings = [line for line in log0.splitlines() if "straggler at step" in line]
+assert warnings and all("rank 1 (node " in line and "GPU" in line for line in warnings), warnings
+print(f"ok: rank 1 named the straggler at {len(warnings)} log steps, imbalance "
+      f"{min(r['imbalance'] for r in late)}..{max(r['imbalance'] for r in late)}; local times {late[-1]['local_time_s']} s")
+PY
+else
+  echo "(a 2-rank NCCL straggler run needs 2 GPUs: NCCL refuses two ranks on one GPU; skipped)"
+fi
 
 echo "== trainer vs plain loop on one GPU"
 "$py" bench/bench_gpu.py --steps 300 --rounds 3

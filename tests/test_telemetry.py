@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import compose_job, read_metrics
+from conftest import compose_job, read_metrics, submit
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpujobs.errors import ConfigError
@@ -100,6 +100,23 @@ def test_straggler_is_named_in_metrics_and_logs(slow_run: SlowRun) -> None:
     all_logs = "".join(p.read_text() for p in (slow_run.run_dir / "submitit").glob("*_log.err"))
     assert all_logs.count("no NVML: GPU telemetry off") == 1
     assert not (slow_run.run_dir / "gpu.jsonl").exists()
+
+
+def test_a_rank_slow_in_its_backward_pass_is_the_straggler(tmp_path: Path) -> None:
+    """The slow-GPU emulation spends rank 1's extra time where a slower GPU does, backward pass included,
+    past the point where a host clock of data + forward stops (there it read ~1.0): what is compared is
+    the compute clock's time, as on GPUs, where the host clock holds the wait for the others."""
+    run_dir = tmp_path / "run"
+    proc = submit(run_dir, *TINY, "trainer.max_steps=6", "trainer.eval_every=0", "checkpoint.every_steps=0",
+                  "telemetry.gpu=false", "telemetry.debug_slow_rank=1", "telemetry.debug_slow_factor=8")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    train = [r for r in read_metrics(run_dir) if r["kind"] == "train"]
+    assert len(train) == 2
+    # rank 1 spends 8x its own compute: 8 / median(1, 8) = 1.8, and the other rank waits for it
+    assert all(r["slowest_rank"] == 1 and r["imbalance"] > 1.4 for r in train), train
+    rank0_log = next((run_dir / "submitit").glob("*_0_log.err")).read_text()
+    warnings = [line for line in rank0_log.splitlines() if "straggler at step" in line]
+    assert warnings and all("rank 1 (node " in line for line in warnings), warnings
 
 
 def test_prometheus_serves_labelled_job_metrics_while_the_job_runs(slow_run: SlowRun) -> None:

@@ -8,9 +8,12 @@ of its own compute; that is what dynamic balancing divides by the rows it read. 
 `backward()`.
 
 On CUDA the times come from CUDA events (the host only queues kernels), read once per window; on the
-CPU from the wall clock. The slow-GPU emulation (`telemetry.debug_slow_factor`) lives here too: the
-slowed rank sleeps (F - 1) times its measured compute at the same point, so it costs what an F times
-slower GPU would, in proportion to the rows it reads.
+CPU from the wall clock. The host clock is no rank's own on CUDA: a blocking copy to the GPU waits for
+everything queued before it, the last step's all-reduce included, so every rank would read the slowest
+rank's time. A start event runs only once the GPU is done with that, so the events leave it out: this
+is also the straggler check's signal on GPUs. The slow-GPU emulation (`telemetry.debug_slow_factor`)
+lives here too: the slowed rank sleeps (F - 1) times its measured compute at the same point, so it costs
+what an F times slower GPU would, in proportion to the rows it reads.
 """
 
 from __future__ import annotations
@@ -50,15 +53,23 @@ class ComputeClock:
             return
         self._done = True
         if self.slow_factor > 1:
-            if self.cuda:
-                torch.cuda.synchronize()
-            time.sleep((self.slow_factor - 1) * (time.perf_counter() - self._started))
+            time.sleep((self.slow_factor - 1) * self._so_far())
         if self.cuda and self._start_event is not None:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
             self._pairs.append((self._start_event, end))  # recorded after the sleep: it counts
         else:
             self.window_s += time.perf_counter() - self._started
+
+    def _so_far(self) -> float:
+        """This micro-batch's compute seconds up to now (on CUDA: once the GPU gets here, by the events,
+        not counting what the GPU still had queued from the last step when it started)."""
+        if self.cuda and self._start_event is not None:
+            now = torch.cuda.Event(enable_timing=True)
+            now.record()
+            now.synchronize()
+            return self._start_event.elapsed_time(now) / 1000
+        return time.perf_counter() - self._started
 
     def read(self) -> float:
         """The window's compute seconds, and a new window (on CUDA: waits for the window's last event)."""

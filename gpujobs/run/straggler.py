@@ -1,8 +1,12 @@
 """Straggler detection: which rank holds the others back, from the timings the trainer gathers (torch-free).
 
 Synchronous DDP makes every rank's step time equal: the fast ranks wait inside the gradient
-all-reduce for the slowest one. So the signal is each rank's *local* time, the part of the step
-before the first collective (waiting for data, then the forward pass); imbalance = slowest / median.
+all-reduce for the slowest one. So the signal is each rank's *local* time, its own part of the step
+before it waits for the others; imbalance = slowest / median. The trainer measures it with the compute
+clock (`compute_clock`: data, forward and backward up to the rank's last gradient bucket) where that
+runs: always on GPUs, where the host clock would include the wait (a blocking copy to the GPU waits
+for the last all-reduce), and on the CPU with dynamic balancing or the slow-GPU emulation. Elsewhere,
+to spare the clock's hook, it is the host clock's data wait + forward pass, before any collective.
 """
 
 from __future__ import annotations

@@ -41,7 +41,8 @@ class StepTimes:
     step_s: float = 0.0
     data_s: float = 0.0
     local_s: float = 0.0
-    """Data wait + forward (what the straggler check compares)."""
+    """Data wait + forward on the host clock: what the straggler check compares where `compute_s` is not
+    measured (on the CPU, without dynamic balancing or the slow-GPU emulation)."""
     loss_sum: float | torch.Tensor = 0.0
     compute_s: float = 0.0
     """Data + forward + backward up to the gradient all-reduce (`ComputeClock`), summed."""
@@ -84,9 +85,10 @@ class Trainer:
         cfg = job.trainer
         self.model = task.model.to(device)
         slowed = job.telemetry.debug_slow_rank == info.rank
-        # Compute time is measured where something uses it (dynamic plans, the slow-GPU emulation): its
-        # communication hook costs a Python call per gradient bucket, ~2% of a small model's step.
-        self.timed = cfg.balance == "dynamic" or job.telemetry.debug_slow_factor > 1
+        # Compute time is measured where something uses it (dynamic plans, the slow-GPU emulation, the
+        # straggler check on a GPU, where the host clock reads the slowest rank's time on every rank): its
+        # communication hook costs a Python call per gradient bucket, ~2% of a small model's CPU step.
+        self.timed = cfg.balance == "dynamic" or job.telemetry.debug_slow_factor > 1 or device.type == "cuda"
         self.clock = ComputeClock(device, job.telemetry.debug_slow_factor if slowed else 1.0)
         self.ddp: torch.nn.Module = self.model
         if dist.is_initialized():
@@ -374,8 +376,12 @@ class Trainer:
         """Gather every rank's timing (one small all-gather per log line) and write the record."""
         self._take_compute(times)
         per_sample = times.compute_s / times.rows if times.rows and self.timed else 0.0
+        # The straggler check's signal: the compute clock's where it runs, as it holds the rank's backward
+        # too (where a slower GPU, or the emulation, spends its extra time) and, on a GPU, none of the wait
+        # for the others that the host clock there holds
+        local_s = times.compute_s if self.timed else times.local_s
         mine = torch.tensor(
-            [times.step_s, times.data_s, float(times.loss_sum), times.local_s, per_sample * times.steps]
+            [times.step_s, times.data_s, float(times.loss_sum), local_s, per_sample * times.steps]
         ) / times.steps
         self.beat.phase = "collective"
         table = collectives.all_gather_rows(mine)  # world size x 5, on the CPU whatever the backend
