@@ -36,12 +36,14 @@ def check_local_resources(job: JobConfig, gpus_here: int) -> None:
     if res.nodes != 1:
         raise ConfigError("resources.nodes", res.nodes, "1 with cluster=local (use cluster=slurm for more nodes)")
     if res.gpus_per_node > gpus_here:
-        hint = (
-            "0: this machine has no NVIDIA GPU "
-            "(use resources.gpus_per_node=0 with resources.procs_per_node=N for CPU ranks)"
-            if gpus_here == 0
-            else f"0..{gpus_here} (GPUs on this machine)"
-        )
+        listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if listed is not None:
+            hint = f"0..{gpus_here} (the GPUs CUDA_VISIBLE_DEVICES={listed!r} names here)"
+        elif gpus_here == 0:
+            hint = ("0: this machine has no NVIDIA GPU "
+                    "(use resources.gpus_per_node=0 with resources.procs_per_node=N for CPU ranks)")
+        else:
+            hint = f"0..{gpus_here} (GPUs on this machine)"
         raise ConfigError("resources.gpus_per_node", res.gpus_per_node, hint)
 
 
@@ -65,10 +67,12 @@ def run_local(job: JobConfig, run_dir: Path) -> int:
         nodes=1,
         tasks_per_node=res.ranks_per_node,
         gpus_per_node=res.gpus_per_node,
-        visible_gpus=gpus,
         timeout_min=job.cluster.timeout_min,
         signal_delay_s=job.cluster.signal_lead_s,
     )
+    # By uuid, which names the same GPU (or MIG slice) in every process whatever CUDA's order; submitit's
+    # check takes indices only, but its local executor writes the entries into the ranks' CUDA_VISIBLE_DEVICES.
+    executor.parameters["visible_gpus"] = tuple(gpu.uuid for gpu in gpus)
     backend = "nccl" if res.gpus_per_node else "gloo"
     attempts = AttemptLog(run_dir)
     launcher = (os.getpid(), process_start(os.getpid()))
@@ -87,7 +91,7 @@ def run_local(job: JobConfig, run_dir: Path) -> int:
                 task._results_timeout_s = 0
             print(
                 f"gpujobs: local job {sjob.job_id} (attempt {before + 1}): {res.ranks_per_node} ranks, "
-                f"{backend}{f' on GPUs {gpus}' if gpus else ''}, run dir {run_dir}",
+                f"{backend}{f' on GPUs {[g.index for g in gpus]}' if gpus else ''}, run dir {run_dir}",
                 flush=True,
             )
             watchdog = Watchdog.for_job(run_dir, job, res.ranks_per_node, f"local:{sjob.job_id}", before + 1,

@@ -73,6 +73,12 @@ def namespace(gpus: list[FakeGpu]) -> dict[str, Any]:
             raise NVMLError("Invalid Argument")
         return i
 
+    def by_uuid(uuid: str) -> int:
+        prefix, _, number = uuid.rpartition("-")
+        if prefix != "GPU-fake" or not number.isdigit():
+            raise NVMLError("Not Found")  # another machine's GPU, a MIG slice: not among these
+        return handle(int(number))
+
     pending = [(i, x) for i, gpu in enumerate(gpus) for x in gpu.xids]
 
     def wait(_events: Any, _timeout_ms: int) -> Any:
@@ -120,7 +126,7 @@ def namespace(gpus: list[FakeGpu]) -> dict[str, Any]:
         nvmlShutdown=lambda: None,
         nvmlDeviceGetCount=lambda: len(gpus),
         nvmlDeviceGetHandleByIndex=handle,
-        nvmlDeviceGetHandleByUUID=lambda uuid: handle(int(uuid.rsplit("-", 1)[1])),
+        nvmlDeviceGetHandleByUUID=by_uuid,
         nvmlDeviceGetIndex=lambda h: h,
         nvmlDeviceGetUUID=lambda h: f"GPU-fake-{h}",
         nvmlDeviceGetUtilizationRates=lambda h: types.SimpleNamespace(gpu=gpus[h].util, memory=gpus[h].util // 2),
