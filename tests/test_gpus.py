@@ -106,6 +106,14 @@ def test_a_local_run_takes_its_gpus_among_those_cuda_visible_devices_names(monke
     assert local_gpu_count() == 1
 
 
+def test_a_mig_slice_cuda_visible_devices_names_is_the_one_a_local_run_takes(monkeypatch: pytest.MonkeyPatch) -> None:
+    install(monkeypatch, [FakeGpu(), FakeGpu(), FakeGpu(util=7, mig_of=1)])
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "MIG-fake-2")
+    assert local_gpu_count() == 1
+    job = compose_job("+experiment=rec", "resources.gpus_per_node=1")
+    assert [(g.uuid, g.index, g.util_pct) for g in choose_local_gpus(job.resources)] == [("MIG-fake-2", 1, 7)]
+
+
 def test_more_gpus_than_cuda_visible_devices_names_are_refused_at_submit(tmp_path: Path) -> None:
     env = {**fake_nvml_env(tmp_path / "gpus.json", [FakeGpu()] * 4), "CUDA_VISIBLE_DEVICES": "GPU-fake-3,1"}
     run_dir = tmp_path / "run"
