@@ -36,7 +36,7 @@ def _rank(rank: int, on: bool, job: JobConfig, port: int, out: Any) -> None:
     info, task = join_as_rank(rank, job, port)
     device = torch.device("cpu")
     with tempfile.TemporaryDirectory() as tmp:
-        ranks = gather_ranks(info)  # the entry gathers this table whether telemetry is on or not
+        ranks = gather_ranks(info, device)  # the entry gathers this table whether telemetry is on or not
         telemetry = Telemetry.start(job, info, ranks, False, Path(tmp)) if on else None
         try:
             checkpoints = CheckpointManager(Path(tmp), 0, 1, rank, world_size=info.world_size)

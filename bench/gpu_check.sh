@@ -21,7 +21,11 @@
 #      in the last all-reduce) where the host clock over a blocking copy holds it, and the slow-GPU
 #      emulation slows by the rank's own compute; with 2+ GPUs, a rank slowed that way under NCCL, in a job
 #      that copies its batches blocking from pageable memory, is named the straggler;
-#   8. bench/bench_gpu.py: samples/s of the gpujobs Trainer against a plain loop on one GPU.
+#   8. bench/bench_gpu.py: samples/s of the gpujobs Trainer against a plain loop on one GPU;
+#   9. GPUs by uuid (issue 25 item 3): with CUDA_DEVICE_ORDER=PCI_BUS_ID torch's device i is NVML's i-th
+#      visible GPU and its uuid is NVML's; a local run under CUDA_VISIBLE_DEVICES=GPU-<uuid> (the last GPU)
+#      trains there, and its rank, health check and gpu.jsonl name that uuid; more ranks than GPUs in an
+#      NCCL group stop before NCCL in one line naming resources.gpus_per_node, never "Duplicate GPU detected".
 # Without a GPU it stops at once with one line and exit code 3. Usage: bash bench/gpu_check.sh [overrides...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -56,6 +60,85 @@ with nvml_session() as nv:
               f"ECC uncorrected {now.get('ecc_uncorrected', 'not reported')}: {'; '.join(faults) or 'healthy'}")
         assert not faults, f"GPU {gpu.index} is not healthy, the run below would stop at its health check: {faults}"
 PY
+echo "== GPUs by uuid: torch and NVML name the same GPUs; a run on CUDA_VISIBLE_DEVICES=GPU-<uuid>"
+uuid_dir=$(mktemp -d)
+"$py" - "$uuid_dir/run" <<'PY'
+import json, os, subprocess, sys
+from pathlib import Path
+
+from gpujobs.nvml import CUDA_ORDER_ENV, nvml_session, rank_gpu_uuid, visible_gpus
+
+os.environ.update(CUDA_ORDER_ENV)  # before CUDA starts here, as every rank has it
+import torch
+
+with nvml_session() as nv:
+    nvml = [(g.index, g.uuid) for g in visible_gpus(nv)]
+ours = [rank_gpu_uuid(str(torch.cuda.get_device_properties(i).uuid)) for i in range(torch.cuda.device_count())]
+assert ours == [uuid for _, uuid in nvml], f"torch's devices {ours} are not NVML's, in order: {nvml}"
+print(f"ok: torch's cuda:i is NVML's GPU, by uuid: {nvml}")
+
+run, (index, uuid) = Path(sys.argv[1]), nvml[-1]  # the last GPU: on 2+ GPUs no rank's cuda:0 is NVML's 0
+env = {**os.environ, "CUDA_VISIBLE_DEVICES": uuid}
+env.pop("GPUJOBS_FORCE_PROCESS_GROUP", None)
+cmd = [sys.executable, "-m", "gpujobs.submit", "+experiment=rec", "cluster=local", "resources.gpus_per_node=1",
+       "trainer.max_steps=40", "trainer.progress=false", "telemetry.interval_s=0.2", "cluster.health_check=true",
+       f"hydra.run.dir={run}"]
+subprocess.run(cmd, env=env, check=True, timeout=240)
+result = json.loads((run / "result.json").read_text())
+assert result["status"] == "completed", result
+assert [(r["cuda_visible_devices"], r["gpu_uuid"]) for r in result["ranks"]] == [(uuid, uuid)], result["ranks"]
+samples = [json.loads(line) for line in (run / "gpu.jsonl").read_text().splitlines()]
+assert samples and {(s["gpu"], s["uuid"], s["rank"]) for s in samples} == {(index, uuid, 0)}, samples[:3]
+health = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+health = [r for r in health if r["kind"] == "health"]
+assert health and health[0]["nvml"][0].endswith("1 GPU checked"), health
+print(f"ok: a run on CUDA_VISIBLE_DEVICES={uuid} trained on GPU {index}; its rank, gpu.jsonl "
+      f"({len(samples)} samples) and health check name it")
+PY
+
+echo "== more ranks than GPUs in an NCCL group: one line naming resources.gpus_per_node, before NCCL"
+"$py" - "$gpus" <<'PY'
+import os, socket, subprocess, sys
+
+from gpujobs.nvml import nvml_session, visible_gpus
+
+with nvml_session() as nv:
+    uuids = [g.uuid for g in visible_gpus(nv)]
+rank_code = """
+import sys
+from gpujobs.errors import ConfigError
+from gpujobs.run import distributed, jobenv
+from gpujobs.schema import JobConfig
+info = jobenv.detect()
+try:
+    distributed.init_process_group(info, JobConfig().nccl, 60)
+    distributed.gather_ranks(info, distributed.device_for(info))
+except ConfigError as err:
+    print(f"refused: {err}", flush=True)
+    sys.exit(2)
+"""
+# one GPU for 2 ranks (each sees 1: the second is told apart by uuid); 2 GPUs for 3 ranks where there are 2
+for visible in sorted({1, min(int(sys.argv[1]), 2)}):
+    ranks = visible + 1
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, "-c", rank_code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(uuids[:visible]),
+                                              "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(ranks),
+                                              "LOCAL_WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1",
+                                              "MASTER_PORT": str(port), "NCCL_DEBUG": "WARN"})
+             for r in range(ranks)]
+    outs = [proc.communicate(timeout=120)[0] for proc in procs]
+    for proc, out in zip(procs, outs, strict=True):
+        refused = [line for line in out.splitlines() if line.startswith("refused: ")]
+        assert proc.returncode == 2 and len(refused) == 1, out
+        assert refused[0].startswith(f"refused: resources.gpus_per_node={ranks} is invalid: allowed at most the "
+                                     f"{visible} GPU"), out
+        assert "CUDA_VISIBLE_DEVICES=" in refused[0] and "Duplicate GPU" not in out, out
+    print(f"ok: {ranks} ranks on {visible} GPU(s): {refused[0]}")
+PY
+
 # A check-only knob (gpujobs/run/distributed.py): one rank joins a process group too, so one GPU runs NCCL.
 export GPUJOBS_FORCE_PROCESS_GROUP=1
 run_dir=$(mktemp -d)/run

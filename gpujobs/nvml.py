@@ -28,6 +28,11 @@ THROTTLE_REASONS = {
 }
 
 
+#: What every rank's environment holds: CUDA numbers GPUs in PCI bus order, as NVML and Slurm do (CUDA's
+#: own default, fastest first, may put another GPU behind a numeric CUDA_VISIBLE_DEVICES entry).
+CUDA_ORDER_ENV = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+
+
 class NvmlUnavailable(RuntimeError):
     """No NVML here (no NVIDIA driver, or no libnvidia-ml)."""
 
@@ -49,10 +54,13 @@ def nvml_session() -> Iterator[Any]:
 
 @dataclass(frozen=True)
 class VisibleGpu:
-    """One GPU this process may use: NVML's index, CUDA's index (CUDA_VISIBLE_DEVICES terms), uuid."""
+    """One GPU (or MIG slice) a process may use: NVML's index (the board's, for a MIG slice), its uuid.
+
+    No CUDA index: it means something only inside one process's CUDA_VISIBLE_DEVICES (Slurm's device
+    cgroups renumber from 0 while NVML keeps the node's numbers), so a GPU crosses processes by uuid.
+    """
 
     index: int
-    cuda_index: int
     uuid: str
     handle: Any
 
@@ -65,38 +73,58 @@ def visible_gpus(nv: Any) -> list[VisibleGpu]:
     """The GPUs CUDA_VISIBLE_DEVICES names (indices or UUIDs), in its order; all GPUs when unset.
 
     NVML numbers GPUs in PCI bus order; numeric CUDA_VISIBLE_DEVICES entries are read as those
-    numbers, which is what Slurm and submitit write (and what CUDA uses with CUDA_DEVICE_ORDER=PCI_BUS_ID).
+    numbers, which is what CUDA uses with CUDA_DEVICE_ORDER=PCI_BUS_ID (gpujobs exports it to every rank).
     """
     return listed_gpus(nv, os.environ.get("CUDA_VISIBLE_DEVICES"))
 
 
 def listed_gpus(nv: Any, listed: Optional[str]) -> list[VisibleGpu]:
     """The GPUs a CUDA_VISIBLE_DEVICES value `listed` names, in its order (see `visible_gpus`); all GPUs
-    for None."""
-    entries = (
-        [e.strip() for e in listed.split(",") if e.strip()]
-        if listed is not None
-        else [str(i) for i in range(int(nv.nvmlDeviceGetCount()))]
-    )
+    for None. Entries: NVML indices, `GPU-<uuid>` or `MIG-<uuid>`. As CUDA does, it stops at the first
+    entry it cannot find (a typo or another machine's GPU hides every GPU after it)."""
+    if listed is None:
+        listed = ",".join(str(i) for i in range(int(nv.nvmlDeviceGetCount())))
     found = []
-    for cuda_index, entry in enumerate(entries):
-        try:
-            handle = (
-                nv.nvmlDeviceGetHandleByIndex(int(entry))
-                if entry.isdigit()
-                else nv.nvmlDeviceGetHandleByUUID(entry)
-            )
-            found.append(
-                VisibleGpu(
-                    index=int(nv.nvmlDeviceGetIndex(handle)),
-                    cuda_index=cuda_index,
-                    uuid=_text(nv.nvmlDeviceGetUUID(handle)),
-                    handle=handle,
-                )
-            )
-        except nv.NVMLError:  # a MIG slice or a stale entry: CUDA will not use it as a whole GPU
-            continue
+    for entry in (e.strip() for e in listed.split(",")):
+        gpu = _lookup(nv, entry) if entry else None
+        if gpu is None:
+            break
+        found.append(gpu)
     return found
+
+
+def gpus_by_uuid(nv: Any, uuids: list[str]) -> list[VisibleGpu]:
+    """The GPUs of `uuids` (as ranks report them, `rank_gpu_uuid`), in that order, each once; a uuid
+    NVML does not know (another node's, a GPU gone) is left out."""
+    found: list[VisibleGpu] = []
+    for uuid in uuids:
+        gpu = _lookup(nv, uuid)
+        if gpu is None and uuid.startswith("GPU-"):  # torch names a MIG slice by its bare uuid, too
+            gpu = _lookup(nv, "MIG-" + uuid[len("GPU-"):])
+        if gpu is not None and gpu.uuid not in {g.uuid for g in found}:
+            found.append(gpu)
+    return found
+
+
+def rank_gpu_uuid(torch_uuid: str) -> str:
+    """NVML's name for the GPU whose uuid torch reports (`get_device_properties(i).uuid`, no prefix)."""
+    text = str(torch_uuid)
+    return text if text.startswith(("GPU-", "MIG-")) else f"GPU-{text}"
+
+
+def _lookup(nv: Any, entry: str) -> Optional[VisibleGpu]:
+    if not (entry.isdigit() or entry.startswith(("GPU-", "MIG-"))):
+        return None
+    try:
+        handle = nv.nvmlDeviceGetHandleByIndex(int(entry)) if entry.isdigit() else nv.nvmlDeviceGetHandleByUUID(entry)
+        uuid = _text(nv.nvmlDeviceGetUUID(handle))
+    except nv.NVMLError:  # a stale entry or another node's uuid: nothing here to read
+        return None
+    board = handle
+    if uuid.startswith("MIG-"):  # a slice has no index of its own: its board's
+        board = _guarded(nv, lambda: nv.nvmlDeviceGetDeviceHandleFromMigDeviceHandle(handle)) or handle
+    index = _guarded(nv, lambda: nv.nvmlDeviceGetIndex(board))
+    return VisibleGpu(index=int(index) if index is not None else -1, uuid=uuid, handle=handle)
 
 
 def _guarded(nv: Any, query: Callable[[], Any]) -> Optional[Any]:

@@ -70,6 +70,19 @@ def test_an_xid_during_the_check_fails_the_node(monkeypatch: pytest.MonkeyPatch)
     assert verdict.busbw_gbps is None and verdict.nvml == ["n1: 2 GPUs checked"]  # one rank: no link
 
 
+def test_the_gpus_checked_are_those_the_ranks_reported_under_slurms_renumbering(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Slurm's device cgroup renumbers the job's GPUs 2 and 3 as CUDA_VISIBLE_DEVICES=0,1 in its tasks;
+    NVML keeps the node's numbers, where 0 and 1 are another job's (here: one of them sick)."""
+    install(monkeypatch, [FakeGpu(), FakeGpu(ecc_uncorrected=3), FakeGpu(), FakeGpu(xids=[48])])
+    ranks = [{"rank": 0, "local_rank": 0, "node": "n1", "cuda_visible_devices": "0,1", "gpu_uuid": "GPU-fake-2"},
+             {"rank": 1, "local_rank": 1, "node": "n1", "cuda_visible_devices": "0,1", "gpu_uuid": "GPU-fake-3"}]
+    verdict = check(compose_job(*TINY).cluster, _one_rank(), torch.device("cpu"), ranks)
+    assert verdict.error == "unhealthy GPU on n1: GPU 3 (GPU-fake-3): XID 48", verdict
+    assert verdict.nvml == ["n1: 2 GPUs checked"]
+
+
 def test_a_cpu_job_has_no_gpu_to_check(monkeypatch: pytest.MonkeyPatch) -> None:
     install(monkeypatch, [FakeGpu(ecc_uncorrected=5)])  # the node has a sick GPU, but the job uses none
     ranks = [{"rank": 0, "local_rank": 0, "node": "n1", "cuda_visible_devices": ""}]

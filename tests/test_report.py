@@ -46,7 +46,7 @@ def test_report_plots_a_real_run(run_dir: Path, monkeypatch: pytest.MonkeyPatch)
 
     # The same run dir with GPU samples: the driver's answers are faked (no GPU here), the sampler is real.
     install(monkeypatch, [FakeGpu(util=70, used_gb=20), FakeGpu(util=40, used_gb=12)])
-    sampler = GpuSampler(run_dir / "gpu.jsonl", 0.02, "n1", {0: 0, 1: 1})
+    sampler = GpuSampler(run_dir / "gpu.jsonl", 0.02, "n1", {"GPU-fake-0": 0, "GPU-fake-1": 1})
     assert sampler.start()
     deadline = time.monotonic() + 30
     samples = run_dir / "gpu.jsonl"

@@ -13,10 +13,11 @@ from gpujobs.nvml import NvmlUnavailable, nvml_session, visible_gpus
 
 
 def local_gpu_count() -> int:
-    """Number of NVIDIA GPUs NVML sees here; 0 where there is no driver or no NVML."""
+    """Number of GPUs this process may use here (those CUDA_VISIBLE_DEVICES names, else every GPU NVML
+    sees); 0 where there is no driver or no NVML."""
     try:
         with nvml_session() as nv:
-            return int(nv.nvmlDeviceGetCount())
+            return len(visible_gpus(nv))
     except NvmlUnavailable:  # no libnvidia-ml: no NVIDIA GPU on this machine
         return 0
 
@@ -26,7 +27,9 @@ class GpuLoad:
     """How busy one GPU is right now."""
 
     index: int
-    """NVML's (PCI bus order) index: what CUDA_VISIBLE_DEVICES of the ranks will name."""
+    """NVML's (PCI bus order) index, for the user to read."""
+    uuid: str
+    """What CUDA_VISIBLE_DEVICES of the ranks will name (`GPU-...`, or `MIG-...` for a slice)."""
     util_pct: int
     free_gb: float
 
@@ -41,12 +44,13 @@ def gpu_loads() -> list[GpuLoad]:
                 util = int(nv.nvmlDeviceGetUtilizationRates(gpu.handle).gpu)
             except nv.NVMLError:  # not reported: rank by free memory alone
                 util = 0
-            loads.append(GpuLoad(gpu.index, util, mem.free / 1e9))
+            loads.append(GpuLoad(gpu.index, gpu.uuid, util, mem.free / 1e9))
         return loads
 
 
-def pick_least_loaded(loads: list[GpuLoad], count: int, min_free_gb: float) -> list[int]:
-    """The `count` least-busy GPUs with at least `min_free_gb` free (utilization, then free memory)."""
+def pick_least_loaded(loads: list[GpuLoad], count: int, min_free_gb: float) -> list[GpuLoad]:
+    """The `count` least-busy GPUs with at least `min_free_gb` free (utilization, then free memory), in
+    NVML's order."""
     fit = [gpu for gpu in loads if gpu.free_gb >= min_free_gb]
     if len(fit) < count:
         state = ", ".join(f"GPU {g.index}: {g.util_pct}% busy, {g.free_gb:.1f} GB free" for g in loads) or "none"
@@ -56,13 +60,15 @@ def pick_least_loaded(loads: list[GpuLoad], count: int, min_free_gb: float) -> l
             f"now {state}",
         )
     chosen = sorted(fit, key=lambda g: (g.util_pct, -g.free_gb, g.index))[:count]
-    return sorted(g.index for g in chosen)
+    return sorted(chosen, key=lambda g: g.index)
 
 
-def choose_local_gpus(res: ResourcesConfig) -> list[int]:
-    """GPU indices for a local run: 0..gpus_per_node-1, or with `pick_gpus` the least-loaded ones."""
+def choose_local_gpus(res: ResourcesConfig) -> list[GpuLoad]:
+    """The GPUs of a local run, among those this process may use (CUDA_VISIBLE_DEVICES honoured): the
+    first gpus_per_node of them in its order, or with `pick_gpus` the least-loaded ones."""
     if res.gpus_per_node == 0:
         return []
+    loads = gpu_loads()
     if not res.pick_gpus:
-        return list(range(res.gpus_per_node))
-    return pick_least_loaded(gpu_loads(), res.gpus_per_node, res.min_free_gpu_mem_gb)
+        return loads[: res.gpus_per_node]
+    return pick_least_loaded(loads, res.gpus_per_node, res.min_free_gpu_mem_gb)

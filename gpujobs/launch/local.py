@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 from types import FrameType
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from gpujobs.config import JobConfig
 from gpujobs.errors import ConfigError
@@ -29,6 +29,9 @@ from gpujobs.run.script import record_completed
 from gpujobs.rundir.attempts import AttemptLog, Decision, RequeuePolicy
 from gpujobs.rundir.records import read_result
 
+if TYPE_CHECKING:
+    from gpujobs.launch.gpus import GpuLoad
+
 
 def check_local_resources(job: JobConfig, gpus_here: int) -> None:
     """Refuse what this machine cannot give, before anything starts."""
@@ -36,12 +39,14 @@ def check_local_resources(job: JobConfig, gpus_here: int) -> None:
     if res.nodes != 1:
         raise ConfigError("resources.nodes", res.nodes, "1 with cluster=local (use cluster=slurm for more nodes)")
     if res.gpus_per_node > gpus_here:
-        hint = (
-            "0: this machine has no NVIDIA GPU "
-            "(use resources.gpus_per_node=0 with resources.procs_per_node=N for CPU ranks)"
-            if gpus_here == 0
-            else f"0..{gpus_here} (GPUs on this machine)"
-        )
+        listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if listed is not None:
+            hint = f"0..{gpus_here} (the GPUs CUDA_VISIBLE_DEVICES={listed!r} names here)"
+        elif gpus_here == 0:
+            hint = ("0: this machine has no NVIDIA GPU "
+                    "(use resources.gpus_per_node=0 with resources.procs_per_node=N for CPU ranks)")
+        else:
+            hint = f"0..{gpus_here} (GPUs on this machine)"
         raise ConfigError("resources.gpus_per_node", res.gpus_per_node, hint)
 
 
@@ -58,10 +63,12 @@ def run_local(job: JobConfig, run_dir: Path) -> int:
         nodes=1,
         tasks_per_node=res.ranks_per_node,
         gpus_per_node=res.gpus_per_node,
-        visible_gpus=gpus,
         timeout_min=job.cluster.timeout_min,
         signal_delay_s=job.cluster.signal_lead_s,
     )
+    # By uuid, which names the same GPU (or MIG slice) in every process whatever CUDA's order; submitit's
+    # check takes indices only, but its local executor writes the entries into the ranks' CUDA_VISIBLE_DEVICES.
+    executor.parameters["visible_gpus"] = tuple(gpu.uuid for gpu in gpus)
     attempts = AttemptLog(run_dir)
     launcher = (os.getpid(), process_start(os.getpid()))
     with JobFollower(run_dir, job) as follower, LauncherSignals() as signals:
@@ -87,7 +94,7 @@ def run_local(job: JobConfig, run_dir: Path) -> int:
             return _record_interrupt(job, attempts, before, sjob, started, stop)
 
 
-def _follow_attempt(job: JobConfig, run_dir: Path, executor: Any, gpus: list[int], follower: JobFollower,
+def _follow_attempt(job: JobConfig, run_dir: Path, executor: Any, gpus: list[GpuLoad], follower: JobFollower,
                     signals: LauncherSignals, attempts: AttemptLog, sjob: Any, before: int,
                     started: float) -> Optional[int]:
     """Follow one attempt to its end and record it where its ranks did not; returns the launcher's exit
@@ -99,7 +106,8 @@ def _follow_attempt(job: JobConfig, run_dir: Path, executor: Any, gpus: list[int
         task._results_timeout_s = 0
     print(
         f"gpujobs: local job {sjob.job_id} (attempt {before + 1}): {res.ranks_per_node} ranks, "
-        f"{'nccl' if res.gpus_per_node else 'gloo'}{f' on GPUs {gpus}' if gpus else ''}, run dir {run_dir}",
+        f"{'nccl' if res.gpus_per_node else 'gloo'}{f' on GPUs {[g.index for g in gpus]}' if gpus else ''}, "
+        f"run dir {run_dir}",
         flush=True,
     )
     watchdog = Watchdog.for_job(run_dir, job, res.ranks_per_node, f"local:{sjob.job_id}", before + 1,

@@ -18,6 +18,7 @@ import jinja2
 
 from gpujobs.config import JobConfig, ResourcesConfig
 from gpujobs.errors import ConfigError
+from gpujobs.nvml import CUDA_ORDER_ENV
 from gpujobs.resources import TEMPLATE_DIR_ENV, template_dir
 
 #: sbatch_templates/ (the checkout's or the wheel's copy); GPUJOBS_SBATCH_TEMPLATES points elsewhere.
@@ -79,7 +80,7 @@ def sbatch_request(job: JobConfig, folder: Path, command: str, *, array: Optiona
         flags=tuple(flags),
         # no run dir: one script serves every point of an array (and a rerun dir), so each rank sets the
         # files NCCL writes under its own run dir (`NcclSettings.export_env`), and the script names none
-        env=tuple(sorted(job.nccl.to_env().items())),
+        env=tuple(sorted({**job.nccl.to_env(), **CUDA_ORDER_ENV}.items())),
         stdout=f"{log_stem}_%t_log.out",
         stderr=f"{log_stem}_%t_log.err",
         command=command,

@@ -18,8 +18,9 @@ import torch
 import torch.distributed as dist
 
 from gpujobs.config import JobConfig
-from gpujobs.errors import GpujobsError
+from gpujobs.errors import ConfigError, GpujobsError
 from gpujobs.nccl import NcclSettings
+from gpujobs.nvml import rank_gpu_uuid
 from gpujobs.run import collectives
 from gpujobs.run.evidence import nccl_debug_env
 from gpujobs.run.jobenv import DistInfo, Rendezvous, ephemeral_ports, export_torchrun_env
@@ -36,10 +37,31 @@ class RendezvousError(GpujobsError, RuntimeError):
 
 
 def device_for(info: DistInfo) -> torch.device:
-    """One GPU per rank where CUDA exists, else the CPU."""
+    """One GPU per rank where CUDA exists (`gpu_index_for`), else the CPU."""
     if torch.cuda.is_available():
-        return torch.device("cuda", info.local_rank % torch.cuda.device_count())
+        return torch.device("cuda", gpu_index_for(info, torch.cuda.device_count()))
     return torch.device("cpu")
+
+
+def gpu_index_for(info: DistInfo, visible: int) -> int:
+    """The CUDA index of this rank's GPU among the `visible` ones: its local rank where every rank of the
+    node sees the node's GPUs; 0 where it sees one (Slurm binds one GPU to each task, or else ranks share
+    it: `gather_ranks` tells them apart by uuid). Fewer than one per rank is refused here, before NCCL,
+    which would otherwise fail with "Duplicate GPU detected" deep in DDP's setup."""
+    if visible >= info.local_world_size:
+        return info.local_rank
+    if visible == 1:
+        return 0
+    raise too_few_gpus(info.node, info.local_world_size, visible, os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+def too_few_gpus(node: str, ranks: int, visible: int, listed: Optional[str], shared: str = "") -> ConfigError:
+    """The one-line error of a node whose `ranks` see `visible` GPUs, fewer than one each."""
+    return ConfigError(
+        "resources.gpus_per_node", ranks,
+        f"at most the {visible} GPU{'s' if visible != 1 else ''} visible to the ranks on {node} "
+        f"(CUDA_VISIBLE_DEVICES={listed!r}): one GPU per rank{shared}",
+    )
 
 
 #: Set to 1 to make a one-rank job join a process group anyway (`bench/gpu_check.sh` sets it, so a
@@ -227,12 +249,32 @@ def destroy_process_group() -> None:
         dist.destroy_process_group()
 
 
-def gather_ranks(info: DistInfo) -> list[dict[str, Any]]:
-    """Every rank's place (node, local rank, visible GPUs), in rank order; one all-gather at start."""
+def gather_ranks(info: DistInfo, device: torch.device) -> list[dict[str, Any]]:
+    """Every rank's place (node, local rank, visible GPUs, its GPU's uuid, None on the CPU), in rank
+    order; one all-gather at start (objects go through gloo: before NCCL). Ranks that share a GPU are
+    refused here, on every rank alike (`one_gpu_per_rank`)."""
+    uuid = rank_gpu_uuid(str(torch.cuda.get_device_properties(device).uuid)) if device.type == "cuda" else None
     mine = {
         "rank": info.rank,
         "local_rank": info.local_rank,
         "node": info.node,
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "gpu_uuid": uuid,
     }
-    return collectives.all_gather_objects(mine)
+    ranks = collectives.all_gather_objects(mine)
+    one_gpu_per_rank(ranks)
+    return ranks
+
+
+def one_gpu_per_rank(ranks: list[dict[str, Any]]) -> None:
+    """Refuse (`too_few_gpus`) where two ranks of a node report one GPU's uuid (`gather_ranks`)."""
+    for node in sorted({entry["node"] for entry in ranks}):
+        on_node = [entry for entry in ranks if entry["node"] == node and entry.get("gpu_uuid") is not None]
+        holders: dict[str, list[int]] = {}
+        for entry in on_node:
+            holders.setdefault(entry["gpu_uuid"], []).append(int(entry["rank"]))
+        shared = {uuid: held for uuid, held in holders.items() if len(held) > 1}
+        if shared:
+            uuid, held = next(iter(shared.items()))
+            said = f"; ranks {', '.join(map(str, held))} all got {uuid}"
+            raise too_few_gpus(node, len(on_node), len(holders), on_node[0]["cuda_visible_devices"], said)

@@ -105,7 +105,7 @@ class TrainJob:
         log.info("NCCL environment: %s", {key: os.environ[key] for key in sorted(job.nccl.to_env(run_dir))})
         if job.resources.gpus_per_node and device.type == "cpu":
             log.warning("GPUs were requested but CUDA is not available here: training on the CPU with gloo")
-        ranks = distributed.gather_ranks(info)
+        ranks = distributed.gather_ranks(info, device)
         metrics = MetricsLog(run_dir / METRICS_FILE if info.is_main else None)
         cleanup.callback(metrics.close)
         health_s = None

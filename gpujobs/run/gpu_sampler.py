@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 from gpujobs.atomic import JsonlAppender
 from gpujobs.errors import GpujobsError
-from gpujobs.nvml import NvmlUnavailable, VisibleGpu, XidWatcher, nvml_session, read_gpu, visible_gpus
+from gpujobs.nvml import NvmlUnavailable, VisibleGpu, XidWatcher, gpus_by_uuid, nvml_session, read_gpu, visible_gpus
 
 log = logging.getLogger(__name__)
 
@@ -26,20 +26,21 @@ SampleSink = Callable[[list[dict[str, Any]]], None]
 
 
 class GpuSampler:
-    """Samples this node's visible GPUs every `interval_s` seconds into `path`."""
+    """Samples this node's GPUs every `interval_s` seconds into `path`: those of `rank_of_uuid` (the
+    GPUs the node's ranks reported), else the ones this process sees (CPU ranks report none)."""
 
     def __init__(
         self,
         path: Path,
         interval_s: float,
         node: str,
-        rank_of_cuda_index: dict[int, int],
+        rank_of_uuid: dict[str, int],
         sink: Optional[SampleSink] = None,
     ) -> None:
         self.path = path
         self.interval_s = interval_s
         self.node = node
-        self.rank_of_cuda_index = rank_of_cuda_index
+        self.rank_of_uuid = rank_of_uuid
         self.sink = sink
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -64,7 +65,7 @@ class GpuSampler:
         # NVML lives on this thread from init to shutdown, so no NVML call ever runs on the loop's thread.
         try:
             with nvml_session() as nv:
-                gpus = visible_gpus(nv)
+                gpus = gpus_by_uuid(nv, list(self.rank_of_uuid)) if self.rank_of_uuid else visible_gpus(nv)
                 if not gpus:
                     log.info("no visible GPU: GPU telemetry off")
                     self._started.set()
@@ -107,9 +108,8 @@ class GpuSampler:
             record: dict[str, Any] = {
                 "time": now,
                 "node": self.node,
-                "rank": self.rank_of_cuda_index.get(gpu.cuda_index),
+                "rank": self.rank_of_uuid.get(gpu.uuid),
                 "gpu": gpu.index,
-                "cuda_index": gpu.cuda_index,
                 "uuid": gpu.uuid,
                 **read_gpu(nv, gpu.handle),
             }

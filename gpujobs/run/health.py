@@ -32,7 +32,7 @@ from typing import Any, Optional
 import torch
 
 from gpujobs.config import ClusterConfig, JobConfig
-from gpujobs.nvml import NvmlUnavailable, VisibleGpu, XidWatcher, gpu_faults, listed_gpus, nvml_session
+from gpujobs.nvml import NvmlUnavailable, VisibleGpu, XidWatcher, gpu_faults, gpus_by_uuid, listed_gpus, nvml_session
 from gpujobs.run import collectives
 from gpujobs.run.jobenv import DistInfo
 from gpujobs.run.metrics import MetricsLog
@@ -144,7 +144,7 @@ def check(cluster: ClusterConfig, info: DistInfo, device: torch.device, ranks: l
     with contextlib.ExitStack() as stack:
         look = None
         if info.local_rank == 0:  # one look per node
-            look = _NodeLook.open(stack, cluster.health_max_temp_c, _node_visible(ranks, info.node))
+            look = _NodeLook.open(stack, cluster.health_max_temp_c, ranks, info.node)
         probe_s = _probe(cluster.health_probe_mb, device)  # XIDs that come meanwhile are seen below
         nvml, checked, faults = look.finish() if look is not None else (None, 0, [])
     if nvml is not None:
@@ -197,6 +197,14 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _node_gpus(nv: Any, ranks: list[dict[str, Any]], node: str) -> list[VisibleGpu]:
+    """The GPUs of the ranks on `node`: by the uuids they reported (a rank's CUDA index is its own
+    process's; Slurm's device cgroups renumber from 0 while NVML keeps the node's numbers), else (CPU
+    ranks) those their CUDA_VISIBLE_DEVICES names."""
+    uuids = [entry["gpu_uuid"] for entry in ranks if entry["node"] == node and entry.get("gpu_uuid")]
+    return gpus_by_uuid(nv, uuids) if uuids else listed_gpus(nv, _node_visible(ranks, node))
+
+
 def _node_visible(ranks: list[dict[str, Any]], node: str) -> Optional[str]:
     """The GPUs the ranks on `node` see, as one CUDA_VISIBLE_DEVICES value (None: every GPU)."""
     entries: list[str] = []
@@ -218,13 +226,13 @@ class _NodeLook:
         self.nv, self.gpus, self.max_temp_c, self.xids, self.unavailable = nv, gpus, max_temp_c, xids, unavailable
 
     @classmethod
-    def open(cls, stack: contextlib.ExitStack, max_temp_c: float, listed: Optional[str]) -> _NodeLook:
-        """Open NVML (closed with `stack`) and watch the GPUs `listed` names for XID events."""
+    def open(cls, stack: contextlib.ExitStack, max_temp_c: float, ranks: list[dict[str, Any]], node: str) -> _NodeLook:
+        """Open NVML (closed with `stack`) and watch the GPUs of the ranks on `node` for XID events."""
         try:
             nv = stack.enter_context(nvml_session())
         except NvmlUnavailable as err:
             return cls(None, [], max_temp_c, None, f"NVML unavailable ({err}): GPU checks skipped")
-        gpus = listed_gpus(nv, listed)
+        gpus = _node_gpus(nv, ranks, node)
         xids = XidWatcher(nv, gpus)
         stack.callback(xids.close)
         return cls(nv, gpus, max_temp_c, xids)

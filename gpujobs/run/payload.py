@@ -8,11 +8,13 @@ import torch when they run it.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
 from gpujobs.config import JobConfig
+from gpujobs.nvml import CUDA_ORDER_ENV
 from gpujobs.run.entry import TrainJob
 from gpujobs.run.orphan import watch_launcher
 from gpujobs.run.preemption import catch_early
@@ -44,6 +46,7 @@ class FromRunDir:
 
     def __call__(self) -> dict[str, Any]:
         catch_early()  # before reading the config: a USR2 from now on is kept for the rank's watcher
+        os.environ.update(CUDA_ORDER_ENV)  # before CUDA starts in this rank (the sbatch script exports it)
         if self.launcher is not None:
             watch_launcher(*self.launcher)
         check_run_dir(Path(self.run_dir))  # before this rank reads or writes anything in it

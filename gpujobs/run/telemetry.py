@@ -62,7 +62,9 @@ class Telemetry:
             self.exporter.start(cfg.prometheus_port, cfg.prometheus_addr, run_dir, sd_dir, labels,
                                 cfg.imbalance_threshold)
         if info.local_rank == 0 and cfg.gpu:
-            on_node = {p.cuda_index: p.rank for p in peers if p.node == info.node and p.cuda_index is not None}
+            # by uuid: a rank's CUDA index is its own process's (Slurm binding one GPU per task makes every
+            # rank's GPU its cuda:0), and NVML's index is the node's
+            on_node = {e["gpu_uuid"]: int(e["rank"]) for e in ranks if e["node"] == info.node and e.get("gpu_uuid")}
             sink = self.exporter.observe_gpus if self.exporter is not None else None
             self.sampler = GpuSampler(run_dir / GPU_FILE, cfg.interval_s, info.node, on_node, sink)
             if not self.sampler.start():

@@ -42,6 +42,9 @@ class FakeGpu:
     """False: nvmlDeviceGetRemappedRows raises NotSupported (pre-Ampere boards); the two above need it."""
     throttle: list[str] = field(default_factory=lambda: ["gpu_idle", "sw_power_cap"])
     """Throttle reasons, by gpujobs.nvml's names."""
+    mig_of: Optional[int] = None
+    """A MIG slice of the GPU of this index: NVML reaches it by its uuid (MIG-fake-<i>) only, not by index
+    or count. List slices after every whole GPU."""
 
     @classmethod
     def from_json(cls, values: dict[str, Any]) -> FakeGpu:
@@ -68,10 +71,32 @@ def namespace(gpus: list[FakeGpu]) -> dict[str, Any]:
     def not_supported() -> Any:
         raise NVMLError_NotSupported("Not Supported")
 
+    boards = sum(1 for gpu in gpus if gpu.mig_of is None)
+
     def handle(i: int) -> int:
-        if not 0 <= i < len(gpus):
+        if not 0 <= i < boards:
             raise NVMLError("Invalid Argument")
         return i
+
+    def uuid_of(h: int) -> str:
+        return f"{'MIG' if gpus[h].mig_of is not None else 'GPU'}-fake-{h}"
+
+    def by_uuid(uuid: str) -> int:
+        number = uuid.rpartition("-")[2]
+        if not number.isdigit() or int(number) >= len(gpus) or uuid_of(int(number)) != uuid:
+            raise NVMLError("Not Found")  # another machine's GPU: not among these
+        return int(number)
+
+    def index(h: int) -> int:
+        if gpus[h].mig_of is not None:
+            raise NVMLError("Invalid Argument")  # a slice has no index of its own
+        return h
+
+    def board(h: int) -> int:
+        parent = gpus[h].mig_of
+        if parent is None:
+            raise NVMLError("Invalid Argument")
+        return parent
 
     pending = [(i, x) for i, gpu in enumerate(gpus) for x in gpu.xids]
 
@@ -118,11 +143,12 @@ def namespace(gpus: list[FakeGpu]) -> dict[str, Any]:
         nvmlEventTypeXidCriticalError=8,
         nvmlInit=lambda: None,
         nvmlShutdown=lambda: None,
-        nvmlDeviceGetCount=lambda: len(gpus),
+        nvmlDeviceGetCount=lambda: boards,
         nvmlDeviceGetHandleByIndex=handle,
-        nvmlDeviceGetHandleByUUID=lambda uuid: handle(int(uuid.rsplit("-", 1)[1])),
-        nvmlDeviceGetIndex=lambda h: h,
-        nvmlDeviceGetUUID=lambda h: f"GPU-fake-{h}",
+        nvmlDeviceGetHandleByUUID=by_uuid,
+        nvmlDeviceGetIndex=index,
+        nvmlDeviceGetDeviceHandleFromMigDeviceHandle=board,
+        nvmlDeviceGetUUID=uuid_of,
         nvmlDeviceGetUtilizationRates=lambda h: types.SimpleNamespace(gpu=gpus[h].util, memory=gpus[h].util // 2),
         nvmlDeviceGetMemoryInfo=lambda h: types.SimpleNamespace(
             used=int(gpus[h].used_gb * 1e9), total=int(gpus[h].total_gb * 1e9),

@@ -29,6 +29,7 @@ seen = {
     key: os.environ[key]
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 }
+seen["gpus"] = {key: os.environ.get(key) for key in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")}
 seen["rank_sum"] = total.item()
 seen["args"] = sys.argv[1:]
 seen["node"] = os.environ.get("SLURMD_NODENAME", "local")
