@@ -19,6 +19,7 @@ from typing import Any, Optional
 
 from gpujobs.config import JobConfig
 from gpujobs.run import evidence
+from gpujobs.run.heartbeat import interval_for
 from gpujobs.run.watchdog import Hang, HangWatch, blame_by_stacks
 from gpujobs.rundir.trust import own_dir, write_own
 
@@ -74,6 +75,7 @@ class Watchdog:
         self.watch = HangWatch(run_dir, world_size, instance, cfg.hang_timeout_s, cfg.hang_slow_phase_s)
         self.kill = kill
         self.signal_remote = signal_remote
+        self.beat_interval_s = interval_for(cfg.hang_timeout_s)
         self.report: Optional[HangReport] = None
         self._next = 0.0
 
@@ -135,7 +137,7 @@ class Watchdog:
         how = evidence.take_stacks(self.run_dir, out, hang.ranks, self.signal_remote)
         stacks = {rank: (out / f"rank_{rank}.txt").read_text(errors="replace") for rank in how}
         hang = blame_by_stacks(hang, stacks)
-        traces = evidence.dump_flight_recorder(self.run_dir, out, sorted(hang.ranks))
+        traces = evidence.dump_flight_recorder(self.run_dir, out, hang.ranks, self.beat_interval_s)
         snapshot = evidence.nvml_snapshot()
         write_own(out / "nvml.json", json.dumps(snapshot, indent=2, sort_keys=True, default=str) + "\n")
         return hang, how, traces
