@@ -173,3 +173,17 @@ def test_a_dump_is_moved_into_the_evidence_but_a_link_in_its_place_is_not_follow
     assert (out / f"{NCCL_TRACE_STEM}1").read_bytes() == DUMP
     assert not os.path.lexists(out / f"{NCCL_TRACE_STEM}0")
     assert (beats / f"{NCCL_TRACE_STEM}0").is_symlink() and secret.read_text() == "the user's private file\n"
+
+
+def test_a_rank_without_a_usable_temp_dir_runs_on_without_a_pipe_and_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    (tmp_path / "a-file").write_text("")
+    node_tmp = tmp_path / "a-file" / "tmp"  # a $TMPDIR under a file: no dir can be made there, even by root
+    monkeypatch.setattr(tempfile, "tempdir", str(node_tmp))
+    beat = Heartbeat(tmp_path, 0, "node-a", 3600).start()
+    try:
+        assert beat.pipe_dir is None and beat.record()["flight_recorder"] is False
+    finally:
+        beat.close()
+    assert "rank 0 has no flight-recorder pipe" in caplog.text and "Not a directory" in caplog.text

@@ -32,7 +32,9 @@ from typing import Any, Optional
 from gpujobs.atomic import write_json_atomic
 from gpujobs.run.heartbeat import NCCL_PIPE_STEM, STACKS_SIGNAL, flight_recorder_request_path, stacks_path
 from gpujobs.rundir import HANGS_DIR, HEARTBEAT_DIR
+from gpujobs.rundir.process import alive as alive  # moved down a layer: the heartbeat uses it
 from gpujobs.rundir.process import process_start as process_start  # moved down a layer: the lease uses it
+from gpujobs.rundir.process import process_state
 from gpujobs.rundir.trust import Untrusted, move_own, read_own, write_own
 
 log = logging.getLogger(__name__)
@@ -62,22 +64,9 @@ def nccl_debug_env(run_dir: Path, entries: int, pipe_dir: Optional[Path]) -> dic
     }
 
 
-def _state(pid: int) -> str:
-    """`pid`'s state letter in /proc (R, S, T, Z, ...), or "" when there is no such process."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return ""
-
-
-def alive(pid: int) -> bool:
-    """Whether `pid` is a process that is not a zombie (`kill -0` succeeds on zombies)."""
-    return _state(pid) not in ("", "Z", "X")
-
-
 def stopped(pid: int) -> bool:
     """Whether `pid` is stopped (SIGSTOP, or a debugger)."""
-    return _state(pid) in ("T", "t")
+    return process_state(pid) in ("T", "t")
 
 
 def local_ranks(ranks: dict[int, dict[str, Any]]) -> dict[int, int]:

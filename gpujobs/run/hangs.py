@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 from gpujobs.config import JobConfig
 from gpujobs.run import evidence
-from gpujobs.run.heartbeat import interval_for
+from gpujobs.run.heartbeat import interval_for, remove_dead_pipe_dirs
 from gpujobs.run.watchdog import Hang, HangWatch, blame_by_stacks
 from gpujobs.rundir.trust import own_dir, write_own
 
@@ -117,6 +117,7 @@ class Watchdog:
             log.error("gpujobs: could not keep the evidence of the hang in %s: %r", out, err)
         self.kill()
         hung_s = hang.stalled_s + time.monotonic() - began
+        remove_dead_pipe_dirs()  # those of the ranks killed on this node (their next attempt's do the others')
         try:
             if kept:  # never into a folder that was not found to be this run's
                 evidence.write_summary(out, {

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import json
+import logging
 import os
 import shutil
 import signal
@@ -38,7 +39,10 @@ from pathlib import Path
 from typing import IO, Any, Optional
 
 from gpujobs.rundir import HEARTBEAT_DIR
+from gpujobs.rundir.process import alive
 from gpujobs.rundir.trust import open_own, own_dir
+
+log = logging.getLogger(__name__)
 
 #: What a rank is doing. `collective` and `compute` (forward and backward, with DDP's gradient
 #: all-reduce inside) are where a rank waits for the others.
@@ -96,16 +100,17 @@ def _pid_namespace() -> str:
         return "0"
 
 
-def _remove_dead_pipe_dirs() -> None:
+def remove_dead_pipe_dirs() -> None:
     """The pipe dirs of this user's ranks of this pid namespace that died without closing (SIGKILL after a
-    hang): a rank cannot clean up after its own kill, the next one on the node does."""
+    hang): a rank cannot clean up after its own kill; the supervisor that killed it does, and the next rank
+    on the node."""
     stem = f"{_PIPE_DIR_PREFIX}{_pid_namespace()}-"
     for path in Path(tempfile.gettempdir()).glob(f"{stem}*-*"):
         pid = path.name[len(stem):].split("-", 1)[0]
         with contextlib.suppress(OSError):
             info = os.lstat(path)
             if (pid.isdigit() and stat.S_ISDIR(info.st_mode) and info.st_uid == os.geteuid()
-                    and not Path(f"/proc/{pid}").exists()):
+                    and not alive(int(pid))):
                 shutil.rmtree(path)
 
 
@@ -151,11 +156,15 @@ class Heartbeat(NoBeat):
         own_dir(self.path.parent.parent, HEARTBEAT_DIR)  # a link planted in the run dir is refused, not followed
         with contextlib.suppress(FileNotFoundError):  # an earlier attempt's: not this one's to answer
             os.unlink(self._request)
-        _remove_dead_pipe_dirs()
-        self.pipe_dir = Path(tempfile.mkdtemp(prefix=f"{_PIPE_DIR_PREFIX}{_pid_namespace()}-{os.getpid()}-"))
         self._fd = open_own(self.path)
         self._stacks = os.fdopen(open_own(stacks_path(self.path.parent.parent, self.rank)), "w")
         faulthandler.register(STACKS_SIGNAL, file=self._stacks, all_threads=True, chain=False)
+        try:
+            remove_dead_pipe_dirs()
+            self.pipe_dir = Path(tempfile.mkdtemp(prefix=f"{_PIPE_DIR_PREFIX}{_pid_namespace()}-{os.getpid()}-"))
+        except OSError as err:  # a full or read-only temp dir costs the dump on request, not the run
+            log.warning("gpujobs: rank %d has no flight-recorder pipe, so no dump on a hang (no private dir "
+                        "in the node's temp dir: %s)", self.rank, err)
         self._write()
         self._thread = threading.Thread(target=self._run, name="gpujobs-heartbeat", daemon=True)
         self._thread.start()
