@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -78,6 +79,8 @@ def test_a_hang_whose_evidence_cannot_be_kept_is_still_killed_and_recorded(tmp_p
     (hung,) = attempts(run_dir)
     assert hung["reason"] == "hung" and hung["culprit_rank"] == 1 and hung["requeue"] is False, hung
     assert not any(alive(pid) for pid in ranks.values()), ranks
+    # no next attempt on this node: the supervisor removes the killed ranks' flight-recorder pipe dirs
+    assert not [d for pid in ranks.values() for d in Path(tempfile.gettempdir()).glob(f"gpujobs-nccl-pipe-*-{pid}-*")]
     assert "could not keep the evidence of the hang" in job.output(), job.output()
     assert (run_dir / "hangs").read_text() == "a file where the evidence folder goes"
 

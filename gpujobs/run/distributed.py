@@ -82,16 +82,17 @@ def backend_for(cuda: bool) -> str:
     return "cpu:gloo,cuda:nccl" if cuda else "gloo"
 
 
-def torch_nccl_env(job: JobConfig, run_dir: Path) -> dict[str, str]:
+def torch_nccl_env(job: JobConfig, run_dir: Path, pipe_dir: Optional[Path]) -> dict[str, str]:
     """PyTorch's NCCL watchdog settings, from the same config as the hang watchdog's.
 
     The flight recorder keeps `nccl.flight_recorder_entries` collectives and dumps them on NCCL's own
-    timeout or when the hang watchdog asks (`gpujobs.run.evidence`). NCCL's heartbeat monitor, which
+    timeout or when the hang watchdog asks (`gpujobs.run.evidence`), through a pipe in `pipe_dir` (the
+    rank's heartbeat's, which relays the asking). NCCL's heartbeat monitor, which
     ends a process whose NCCL watchdog thread is itself stuck (an abort that hangs), waits as long as
     the collective timeout: both come after `trainer.hang_timeout_s` + 30 s (the schema checks it), so
     the hang watchdog takes its evidence first. Harmless on gloo, which reads none of them.
     """
-    env = nccl_debug_env(run_dir, job.nccl.flight_recorder_entries)
+    env = nccl_debug_env(run_dir, job.nccl.flight_recorder_entries, pipe_dir)
     env["TORCH_NCCL_ENABLE_MONITORING"] = "1"
     env["TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"] = str(job.trainer.pg_timeout_s)
     return env

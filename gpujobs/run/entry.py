@@ -93,7 +93,8 @@ class TrainJob:
         if job.trainer.deterministic:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True, warn_only=True)
-        os.environ.update(distributed.torch_nccl_env(job, run_dir))  # the flight recorder and NCCL's monitor
+        # the flight recorder (its pipe in the heartbeat's node-local dir) and NCCL's monitor
+        os.environ.update(distributed.torch_nccl_env(job, run_dir, attempt.beat.pipe_dir))
         backend = distributed.init_process_group(info, job.nccl, job.trainer.pg_timeout_s, run_dir)
         cleanup.callback(distributed.destroy_process_group)
         cleanup.callback(attempt.drop)  # first: no DDP wrapper may outlive the process group

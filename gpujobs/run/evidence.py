@@ -5,8 +5,9 @@
   missing or cannot reach a rank, the rank's own faulthandler writes them on SIGUSR1 (registered by
   its heartbeat). A stopped rank cannot run a handler: without py-spy it gets SIGUSR1 and then SIGCONT,
   so its stack is written as it resumes, an instant before it is killed.
-- `nccl_trace_rank_<N>`: PyTorch's NCCL flight recorder, dumped on request through the pipe each NCCL
-  rank listens on (`TORCH_NCCL_DEBUG_INFO_PIPE_FILE`), where the ranks run NCCL.
+- `nccl_trace_rank_<N>`: PyTorch's NCCL flight recorder, where the ranks run NCCL. The watchdog leaves a
+  request file in the run dir; each rank's heartbeat thread writes it into the pipe torch listens on
+  (`TORCH_NCCL_DEBUG_INFO_PIPE_FILE`, private to the rank's node), on every node alike.
 - `nvml.json`: this node's GPUs as NVML reads them now.
 - `hang.json`: the heartbeats, the culprit and why, and how each rank's stack was taken.
 
@@ -16,6 +17,7 @@ Torch-free.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 import signal
@@ -28,16 +30,19 @@ from stat import S_ISREG
 from typing import Any, Optional
 
 from gpujobs.atomic import write_json_atomic
-from gpujobs.run.heartbeat import STACKS_SIGNAL, stacks_path
+from gpujobs.run.heartbeat import NCCL_PIPE_STEM, STACKS_SIGNAL, flight_recorder_request_path, stacks_path
 from gpujobs.rundir import HANGS_DIR, HEARTBEAT_DIR
+from gpujobs.rundir.process import alive as alive  # moved down a layer: the heartbeat uses it
 from gpujobs.rundir.process import process_start as process_start  # moved down a layer: the lease uses it
-from gpujobs.rundir.trust import read_own, write_own
+from gpujobs.rundir.process import process_state
+from gpujobs.rundir.trust import Untrusted, move_own, read_own, write_own
+
+log = logging.getLogger(__name__)
 
 _PY_SPY_TIMEOUT_S = 20.0
 _FAULTHANDLER_WAIT_S = 3.0
 _FLIGHT_RECORDER_WAIT_S = 5.0
-#: Stems of the NCCL flight recorder's request pipes and dumps: `<stem><rank>.pipe`, `<stem><rank>`.
-NCCL_PIPE_STEM = "nccl_pipe_rank_"
+#: Stem of the NCCL flight recorder's dumps: `<stem><rank>`, in the heartbeat dir.
 NCCL_TRACE_STEM = "nccl_trace_rank_"
 
 
@@ -46,34 +51,22 @@ def hang_dir(run_dir: Path, attempt: int) -> Path:
     return Path(run_dir) / HANGS_DIR / str(attempt)
 
 
-def nccl_debug_env(run_dir: Path, entries: int) -> dict[str, str]:
-    """The flight recorder's settings for a rank of `run_dir`: `entries` collectives kept, a dump on
-    NCCL's own timeout and on request through a pipe (the watchdog's), both in the heartbeat dir."""
+def nccl_debug_env(run_dir: Path, entries: int, pipe_dir: Optional[Path]) -> dict[str, str]:
+    """The flight recorder's settings for a rank of `run_dir`: `entries` collectives kept, dumped into the
+    heartbeat dir on NCCL's own timeout and on request through a pipe in `pipe_dir` (its heartbeat's,
+    which relays the watchdog's requests; None: no pipe)."""
     beats = Path(run_dir) / HEARTBEAT_DIR
     return {
         "TORCH_NCCL_TRACE_BUFFER_SIZE": str(entries),
         "TORCH_NCCL_DUMP_ON_TIMEOUT": "1" if entries else "0",
         "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(beats / NCCL_TRACE_STEM),
-        "TORCH_NCCL_DEBUG_INFO_PIPE_FILE": str(beats / NCCL_PIPE_STEM) if entries else "",
+        "TORCH_NCCL_DEBUG_INFO_PIPE_FILE": str(pipe_dir / NCCL_PIPE_STEM) if entries and pipe_dir else "",
     }
-
-
-def _state(pid: int) -> str:
-    """`pid`'s state letter in /proc (R, S, T, Z, ...), or "" when there is no such process."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return ""
-
-
-def alive(pid: int) -> bool:
-    """Whether `pid` is a process that is not a zombie (`kill -0` succeeds on zombies)."""
-    return _state(pid) not in ("", "Z", "X")
 
 
 def stopped(pid: int) -> bool:
     """Whether `pid` is stopped (SIGSTOP, or a debugger)."""
-    return _state(pid) in ("T", "t")
+    return process_state(pid) in ("T", "t")
 
 
 def local_ranks(ranks: dict[int, dict[str, Any]]) -> dict[int, int]:
@@ -178,32 +171,40 @@ def _stacks_of_stopped(written: Path, pid: int, others: list[int]) -> None:
                 os.kill(other, signal.SIGCONT)
 
 
-def dump_flight_recorder(run_dir: Path, out: Path, ranks: list[int],
-                         wait_s: float = _FLIGHT_RECORDER_WAIT_S) -> list[int]:
-    """Ask every NCCL rank's flight recorder for a dump and move the dumps into `out`, waiting up to
-    `wait_s` for them; returns the ranks that wrote one (none on gloo: its ranks open no pipe)."""
-    beats = Path(run_dir) / HEARTBEAT_DIR
+def dump_flight_recorder(run_dir: Path, out: Path, ranks: dict[int, dict[str, Any]],
+                         beat_interval_s: float) -> list[int]:
+    """Ask the flight recorder of every rank whose heartbeat (in `ranks`) says it has one (NCCL's; gloo has
+    none) for a dump, and move the dumps into `out`; returns the ranks that wrote one. The request is a file
+    that each rank's heartbeat thread relays on its next beat (every `beat_interval_s`), from any node."""
     asked = []
-    for rank in ranks:
-        pipe = beats / f"{NCCL_PIPE_STEM}{rank}.pipe"
-        with contextlib.suppress(OSError):  # no pipe (gloo), or nobody reads it: no recorder there
-            fd = os.open(pipe, os.O_WRONLY | os.O_NONBLOCK)
-            try:
-                os.write(fd, b"1\n")
-            finally:
-                os.close(fd)
+    for rank in sorted(rank for rank, beat in ranks.items() if beat.get("flight_recorder")):
+        with contextlib.suppress(OSError):  # a full disk: that rank is not asked
+            write_own(flight_recorder_request_path(run_dir, rank), "dump\n")
             asked.append(rank)
-    deadline = time.monotonic() + (wait_s if asked else 0)
+    deadline = time.monotonic() + (beat_interval_s + _FLIGHT_RECORDER_WAIT_S if asked else 0)
     found: list[int] = []
     while True:
         for rank in ranks:
-            trace = beats / f"{NCCL_TRACE_STEM}{rank}"
-            if rank not in found and trace.exists() and trace.stat().st_size > 0:
-                shutil.move(str(trace), out / trace.name)
+            if rank not in found and _take_trace(Path(run_dir) / HEARTBEAT_DIR / f"{NCCL_TRACE_STEM}{rank}", out):
                 found.append(rank)
         if len(found) >= len(asked) or time.monotonic() >= deadline:
             return sorted(found)
         time.sleep(0.2)
+
+
+def _take_trace(trace: Path, out: Path) -> bool:
+    """Whether a dump was at `trace` and is now in `out`; a symlink there is left, never followed."""
+    try:
+        info = os.lstat(trace)
+        if not S_ISREG(info.st_mode) or not info.st_size:
+            return False
+        move_own(trace, out / trace.name)
+    except Untrusted as err:
+        log.warning("gpujobs: %s", err)
+        return False
+    except OSError:
+        return False
+    return True
 
 
 def nvml_snapshot() -> dict[str, Any]:

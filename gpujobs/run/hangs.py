@@ -19,6 +19,7 @@ from typing import Any, Optional
 
 from gpujobs.config import JobConfig
 from gpujobs.run import evidence
+from gpujobs.run.heartbeat import interval_for, remove_dead_pipe_dirs
 from gpujobs.run.watchdog import Hang, HangWatch, blame_by_stacks
 from gpujobs.rundir.trust import own_dir, write_own
 
@@ -74,6 +75,7 @@ class Watchdog:
         self.watch = HangWatch(run_dir, world_size, instance, cfg.hang_timeout_s, cfg.hang_slow_phase_s)
         self.kill = kill
         self.signal_remote = signal_remote
+        self.beat_interval_s = interval_for(cfg.hang_timeout_s)
         self.report: Optional[HangReport] = None
         self._next = 0.0
 
@@ -115,6 +117,7 @@ class Watchdog:
             log.error("gpujobs: could not keep the evidence of the hang in %s: %r", out, err)
         self.kill()
         hung_s = hang.stalled_s + time.monotonic() - began
+        remove_dead_pipe_dirs()  # those of the ranks killed on this node (their next attempt's do the others')
         try:
             if kept:  # never into a folder that was not found to be this run's
                 evidence.write_summary(out, {
@@ -135,7 +138,7 @@ class Watchdog:
         how = evidence.take_stacks(self.run_dir, out, hang.ranks, self.signal_remote)
         stacks = {rank: (out / f"rank_{rank}.txt").read_text(errors="replace") for rank in how}
         hang = blame_by_stacks(hang, stacks)
-        traces = evidence.dump_flight_recorder(self.run_dir, out, sorted(hang.ranks))
+        traces = evidence.dump_flight_recorder(self.run_dir, out, hang.ranks, self.beat_interval_s)
         snapshot = evidence.nvml_snapshot()
         write_own(out / "nvml.json", json.dumps(snapshot, indent=2, sort_keys=True, default=str) + "\n")
         return hang, how, traces

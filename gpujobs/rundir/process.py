@@ -21,6 +21,19 @@ def process_start(pid: int) -> Optional[str]:
         return None
 
 
+def process_state(pid: int) -> str:
+    """`pid`'s state letter in /proc (R, S, T, Z, ...), or "" when there is no such process."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` is a process that is not a zombie (`kill -0` succeeds on zombies)."""
+    return process_state(pid) not in ("", "Z", "X")
+
+
 def boot_id() -> Optional[str]:
     """This boot's id (the kernel's), or None where /proc does not say: a start time is of one boot."""
     try:

@@ -130,6 +130,22 @@ def write_own(path: Path, text: str) -> None:
         handle.write(text)
 
 
+def move_own(path: Path, dest: Path) -> None:
+    """Rename `path` to `dest` (one filesystem) when it is a regular file of this user's alone: a symlink
+    there is neither followed nor moved (Untrusted), and one swapped in while it moves is taken back out of
+    `dest` (Untrusted)."""
+    fd = _own_file(_open(path, os.O_RDONLY | os.O_NONBLOCK), Path(path))
+    try:
+        before = os.fstat(fd)
+        os.rename(path, dest)
+        after = os.lstat(dest)
+    finally:
+        os.close(fd)
+    if (after.st_dev, after.st_ino) != (before.st_dev, before.st_ino):
+        os.unlink(dest)
+        raise Untrusted(f"{path} was replaced while it was moved to {dest}: not kept")
+
+
 def read_own(path: Path) -> str:
     """`path`'s text, read without following a symlink (Untrusted) and only from a regular file (a planted
     FIFO would block the reader)."""
