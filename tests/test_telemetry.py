@@ -182,3 +182,14 @@ def test_imbalance_is_slowest_over_median() -> None:
 def test_bad_telemetry_values_are_refused(override: str) -> None:
     with pytest.raises(ConfigError, match=override.split("=")[0].replace(".", r"\.")):
         compose_job(*TINY, override)
+
+
+def test_peers_bound_one_gpu_each_by_slurm_are_told_apart_by_uuid() -> None:
+    """Slurm binds one GPU per task and renumbers it: every rank sees CUDA_VISIBLE_DEVICES=0. By index both
+    ranks were "GPU 0" in warnings and Prometheus labels; by the uuid each reported, they are two GPUs."""
+    ranks = [{"rank": r, "local_rank": r, "node": "n1", "cuda_visible_devices": "0", "gpu_uuid": uuid}
+             for r, uuid in enumerate(["GPU-aaaa", "GPU-bbbb"])]
+    peers = [Peer.from_rank(entry, on_gpu=True) for entry in ranks]
+    assert [p.where() for p in peers] == ["rank 0 (node n1, GPU-aaaa)", "rank 1 (node n1, GPU-bbbb)"]
+    old = {**ranks[1], "gpu_uuid": None}  # a rank that could not say its uuid: its CUDA_VISIBLE_DEVICES entry
+    assert Peer.from_rank(old, on_gpu=True).gpu == "0"

@@ -30,25 +30,26 @@ class Peer:
     rank: int
     node: str
     gpu: str
-    """The GPU in the node's terms (physical index, else its uuid), or "cpu"."""
-    cuda_index: Optional[int] = None
-    """The rank's GPU in CUDA_VISIBLE_DEVICES terms (None on CPU ranks)."""
+    """The GPU by the uuid its rank reported (the one name that holds in every process, whatever Slurm's
+    device cgroup renumbered), else its entry in CUDA_VISIBLE_DEVICES; "cpu" on CPU ranks."""
 
     @classmethod
     def from_rank(cls, entry: dict[str, Any], on_gpu: bool) -> Peer:
-        """From one entry of `distributed.gather_ranks`; a rank uses GPU local_rank % visible GPUs."""
+        """From one entry of `distributed.gather_ranks`."""
         if not on_gpu:
             return cls(int(entry["rank"]), str(entry["node"]), "cpu")
+        if entry.get("gpu_uuid"):
+            return cls(int(entry["rank"]), str(entry["node"]), str(entry["gpu_uuid"]))
         listed = entry.get("cuda_visible_devices")
         visible = [e.strip() for e in (listed or "").split(",") if e.strip()]
         local_rank = int(entry["local_rank"])
-        index = local_rank % len(visible) if visible else local_rank
-        gpu = visible[index] if visible else str(index)
-        return cls(int(entry["rank"]), str(entry["node"]), gpu, cuda_index=index)
+        return cls(int(entry["rank"]), str(entry["node"]), visible[local_rank % len(visible)] if visible
+                   else str(local_rank))
 
     def where(self) -> str:
-        """`rank 1 (node n1, GPU 3)`, for log lines."""
-        device = "CPU" if self.gpu == "cpu" else f"GPU {self.gpu}"
+        """`rank 1 (node n1, GPU-8f3c...)` (`GPU 3` where no uuid was reported), for log lines."""
+        named = self.gpu.startswith(("GPU-", "MIG-"))  # a uuid says what it is
+        device = "CPU" if self.gpu == "cpu" else self.gpu if named else f"GPU {self.gpu}"
         return f"rank {self.rank} (node {self.node}, {device})"
 
 
