@@ -46,9 +46,15 @@ def device_for(info: DistInfo) -> torch.device:
 #: one-GPU machine runs every collective through a real NCCL group). A check-only knob, not config.
 FORCE_GROUP_ENV = "GPUJOBS_FORCE_PROCESS_GROUP"
 
+#: Set to 1 to run the ranks' group on gloo alone even on CUDA (`bench/gpu_check.py` sets it), so that two
+#: ranks can share one GPU: NCCL refuses two ranks on a GPU, gloo takes CUDA tensors for DDP's all-reduce
+#: and broadcast. A check-only knob, not config: gloo moves gradients through the host, far slower.
+GLOO_ON_CUDA_ENV = "GPUJOBS_CHECK_GLOO_ON_CUDA"
+
 
 def backend_for(cuda: bool) -> str:
-    """The process group's backend: device-aware `cpu:gloo,cuda:nccl` on CUDA, `gloo` on the CPU.
+    """The process group's backend: device-aware `cpu:gloo,cuda:nccl` on CUDA, `gloo` on the CPU
+    (and on CUDA too where `GPUJOBS_CHECK_GLOO_ON_CUDA` is 1).
 
     Why device-aware rather than plain `nccl` with every tensor copied to the GPU: DDP's gradient
     buckets live on the GPU and go to NCCL either way, while the small host-side collectives (timing
@@ -57,7 +63,7 @@ def backend_for(cuda: bool) -> str:
     that needs no guess at which GPU is this rank's. The helpers in `collectives` still place tensors
     on a device the group serves, so a CUDA-only group (a user's `nccl`) works too.
     """
-    return "cpu:gloo,cuda:nccl" if cuda else "gloo"
+    return "cpu:gloo,cuda:nccl" if cuda and os.environ.get(GLOO_ON_CUDA_ENV) != "1" else "gloo"
 
 
 def torch_nccl_env(job: JobConfig, run_dir: Path) -> dict[str, str]:
