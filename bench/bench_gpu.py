@@ -65,7 +65,9 @@ def main() -> None:
         print("bench_gpu: no CUDA GPU here (torch.cuda.is_available() is False); this bench needs one",
               file=sys.stderr)
         raise SystemExit(3)
-    job = job_config(args.steps, ["resources.gpus_per_node=1", "trainer.log_every=50", *args.overrides])
+    # procs_per_node too: the rec experiment's 2 CPU ranks would otherwise refuse one GPU rank
+    job = job_config(args.steps, ["resources.gpus_per_node=1", "resources.procs_per_node=1", "trainer.log_every=50",
+                                  *args.overrides])
     rates: dict[str, list[float]] = {"gpujobs": [], "plain": []}
     run("plain", job)  # warm-up: CUDA context, kernels, allocator
     for round_ in range(args.rounds):

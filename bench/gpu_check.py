@@ -72,9 +72,12 @@ class Machine:
     def ranks(self, count: int) -> list[str]:
         """Overrides for `count` ranks on this machine's device: GPU ranks (sharing one GPU where `count` is
         more than the GPUs, see `two_ranks_env`), else CPU ranks."""
-        if self.cuda:
-            return [f"resources.gpus_per_node={count}"]
-        return ["resources.gpus_per_node=0", f"resources.procs_per_node={count}"]
+        return gpu_ranks(count) if self.cuda else ["resources.gpus_per_node=0", f"resources.procs_per_node={count}"]
+
+
+def gpu_ranks(count: int) -> list[str]:
+    """Overrides for `count` GPU ranks: the rec experiment's 2 CPU ranks (procs_per_node) must match them."""
+    return [f"resources.gpus_per_node={count}", f"resources.procs_per_node={count}"]
 
 
 @dataclass
@@ -256,7 +259,7 @@ def nccl_run(m: Machine) -> str:
     run_dir.parent.mkdir(parents=True)
     # nccl=debug: NCCL logs its communicator's init ("Init COMPLETE"), the proof that NCCL itself was used.
     cmd = [sys.executable, "-m", "gpujobs.submit", "+experiment=rec", "cluster=local",
-           f"resources.gpus_per_node={ranks}", "trainer.max_steps=300", "trainer.progress=false", "nccl=debug",
+           *gpu_ranks(ranks), "trainer.max_steps=300", "trainer.progress=false", "nccl=debug",
            "telemetry.interval_s=0.5", "telemetry.prometheus_port=0", "telemetry.prometheus_addr=127.0.0.1",
            "telemetry.prometheus_linger_s=3", "trainer.balance=dynamic", "trainer.balance_every=20",
            "checkpoint.async=true", "checkpoint.every_steps=50", "cluster.health_check=true",
@@ -340,7 +343,7 @@ def nccl_two_ranks_one_gpu(m: Machine) -> str:
     """More NCCL ranks than GPUs (two on one GPU, without the gloo switch): a clear error naming
     resources.gpus_per_node within a minute, not a hang or NCCL's own trace."""
     started = time.monotonic()
-    run = submit(m, m.work / "nccl-refused" / "run", *TINY, f"resources.gpus_per_node={m.gpus + 1}",
+    run = submit(m, m.work / "nccl-refused" / "run", *TINY, *gpu_ranks(m.gpus + 1),
                  timeout_s=120)
     took = time.monotonic() - started
     need(run.returncode != 0, "two NCCL ranks on one GPU completed")
@@ -352,7 +355,7 @@ def nccl_two_ranks_one_gpu(m: Machine) -> str:
 
 def uuid_visible_devices(m: Machine) -> str:
     """A local run with CUDA_VISIBLE_DEVICES naming the GPU by its UUID completes on that GPU."""
-    run = submit(m, m.work / "uuid" / "run", *TINY, "resources.gpus_per_node=1",
+    run = submit(m, m.work / "uuid" / "run", *TINY, *gpu_ranks(1),
                  env={"CUDA_VISIBLE_DEVICES": m.uuid})
     result = run.completed()
     need("cuda:" in run.rank_logs(), "the rank did not train on CUDA")
@@ -374,7 +377,7 @@ def straggler_two_gpus(m: Machine) -> str:
         "def build_task(model_cfg, data_cfg, world_size, micro_batches):\n"
         "    return BlockingRec(model_cfg, data_cfg, world_size, micro_batches)\n")
     path = os.pathsep.join(p for p in (str(slow_dir), str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-    run = submit(m, slow_dir / "run", "+experiment=rec", "cluster=local", "resources.gpus_per_node=2",
+    run = submit(m, slow_dir / "run", "+experiment=rec", "cluster=local", *gpu_ranks(2),
                  "task=blocking_rec:build_task", "trainer.max_steps=100", "trainer.log_every=10",
                  "trainer.eval_every=0", "checkpoint.every_steps=0", "trainer.progress=false", "telemetry.gpu=false",
                  "trainer.balance=off", "telemetry.debug_slow_rank=1", "telemetry.debug_slow_factor=4",

@@ -90,7 +90,8 @@ def cuda_paths() -> str:
 
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
-    job = job_config(20, ["resources.gpus_per_node=1", "trainer.log_every=0"])  # saved at its last step
+    # one GPU rank (the rec experiment's own 2 are CPU ranks); saved at its last step
+    job = job_config(20, ["resources.gpus_per_node=1", "resources.procs_per_node=1", "trainer.log_every=0"])
     info, run = DistInfo(0, 0, 1, 1, "127.0.0.1", 29500, "gpu_check"), Path(tempfile.mkdtemp())
 
     def trainer() -> Trainer:
