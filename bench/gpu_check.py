@@ -395,12 +395,14 @@ def straggler_two_gpus(m: Machine) -> str:
 
 
 def bench_gpu(m: Machine) -> str:
+    """Samples/s of the gpujobs Trainer against a plain loop on one GPU, both DDP in a one-rank NCCL group."""
     proc = subprocess.run([sys.executable, str(REPO / "bench" / "bench_gpu.py"), "--steps", "300", "--rounds", "3"],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     print(proc.stderr, end="")
     need(proc.returncode == 0, f"exit {proc.returncode}: {proc.stderr[-500:]}")
     figures = json.loads(proc.stdout)
-    return f"trainer/plain {figures['trainer_vs_plain']} ({figures['trainer_samples_per_s']:.0f} samples/s)"
+    need(figures["ddp"] is True, figures)
+    return f"DDP + hook: trainer/plain {figures['trainer_vs_plain']} ({figures['trainer_samples_per_s']:.0f} samples/s)"
 
 
 @dataclass(frozen=True)
