@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from bench_trainer import job_config
+from gpu_check import CheckFailed, need
 
 from gpujobs.config import JobConfig
 from gpujobs.run.checkpoint import CheckpointManager
@@ -26,16 +27,6 @@ from gpujobs.run.jobenv import DistInfo
 from gpujobs.run.metrics import MetricsLog
 from gpujobs.run.trainer import Trainer
 from jobs.rec.task import RecTask
-
-
-class CheckFailed(Exception):
-    """What the check saw wrong."""
-
-
-def need(ok: bool, what: object) -> None:
-    """Fail the check with `what` unless `ok` (not `assert`: `python -O` would drop the checks)."""
-    if not ok:
-        raise CheckFailed(str(what))
 
 
 def nvml_health() -> str:
