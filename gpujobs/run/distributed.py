@@ -42,7 +42,7 @@ def device_for(info: DistInfo) -> torch.device:
     return torch.device("cpu")
 
 
-#: Set to 1 to make a one-rank job join a process group anyway (`bench/gpu_check.sh` sets it, so a
+#: Set to 1 to make a one-rank job join a process group anyway (`bench/gpu_check.py` sets it, so a
 #: one-GPU machine runs every collective through a real NCCL group). A check-only knob, not config.
 FORCE_GROUP_ENV = "GPUJOBS_FORCE_PROCESS_GROUP"
 
@@ -93,6 +93,8 @@ def init_process_group(
     export_torchrun_env(info)
     cuda = torch.cuda.is_available()
     backend = backend_for(cuda)
+    if cuda and backend == "gloo":
+        log.warning("%s=1, a check-only switch: the ranks' GPU tensors go through gloo, not NCCL", GLOO_ON_CUDA_ENV)
     if cuda:
         # the helpers and NCCL use the current device: each rank's own GPU, before the first collective
         torch.cuda.set_device(device_for(info))
