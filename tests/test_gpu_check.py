@@ -1,5 +1,6 @@
 """bench/gpu_check.py's verdict: which checks a machine runs, the summary table, and the exit code a later
-session's one GPU run is judged by (the checks themselves run in `bash bench/gpu_check.sh`)."""
+session's one GPU run is judged by (the checks themselves run in `bash bench/gpu_check.sh`); and the
+check-only switch that lets its two GPU ranks share one GPU."""
 
 from __future__ import annotations
 
@@ -7,6 +8,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import compose_job
+
+from gpujobs.errors import ConfigError
+from gpujobs.launch.local import check_local_resources
+from gpujobs.nccl import GLOO_ON_CUDA_ENV
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 from gpu_check import NO_GPU, Check, Machine, need, run_checks
@@ -50,3 +56,15 @@ def test_a_failed_check_fails_the_run_and_the_others_still_run(
     assert run_checks(machine(0, tmp_path), (Check("resume", fails), CPU, ONE_GPU)) == 1
     out = capsys.readouterr().out
     assert "FAILED   CheckFailed: the resumed run redid 3 steps" in out and "cpu check" in out.split("summary")[1]
+
+
+def test_only_the_check_switch_lets_two_gpu_ranks_share_one_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    # gpu_check's two ranks on a one-GPU machine: refused as ever without the switch, and on a machine
+    # without a GPU even with it (there is nothing to share)
+    job = compose_job("+experiment=rec", "cluster=local", "resources.gpus_per_node=2", "resources.procs_per_node=2")
+    with pytest.raises(ConfigError, match=r"resources.gpus_per_node=2 .*0..1 \(GPUs on this machine\)"):
+        check_local_resources(job, 1)
+    monkeypatch.setenv(GLOO_ON_CUDA_ENV, "1")
+    check_local_resources(job, 1)
+    with pytest.raises(ConfigError, match="has no NVIDIA GPU"):
+        check_local_resources(job, 0)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from gpujobs.config import JobConfig
 from gpujobs.errors import GpujobsError
-from gpujobs.nccl import NcclSettings
+from gpujobs.nccl import GLOO_ON_CUDA_ENV, NcclSettings
 from gpujobs.run import collectives
 from gpujobs.run.evidence import nccl_debug_env
 from gpujobs.run.jobenv import DistInfo, Rendezvous, ephemeral_ports, export_torchrun_env
@@ -45,11 +45,6 @@ def device_for(info: DistInfo) -> torch.device:
 #: Set to 1 to make a one-rank job join a process group anyway (`bench/gpu_check.py` sets it, so a
 #: one-GPU machine runs every collective through a real NCCL group). A check-only knob, not config.
 FORCE_GROUP_ENV = "GPUJOBS_FORCE_PROCESS_GROUP"
-
-#: Set to 1 to run the ranks' group on gloo alone even on CUDA (`bench/gpu_check.py` sets it), so that two
-#: ranks can share one GPU: NCCL refuses two ranks on a GPU, gloo takes CUDA tensors for DDP's all-reduce
-#: and broadcast. A check-only knob, not config: gloo moves gradients through the host, far slower.
-GLOO_ON_CUDA_ENV = "GPUJOBS_CHECK_GLOO_ON_CUDA"
 
 
 def backend_for(cuda: bool) -> str:
