@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gpujobs.nccl import GLOO_ON_CUDA_ENV
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))  # the operator's handle on a running job, shared with the tests
 from jobctl import RunningJob, attempts  # noqa: E402
@@ -87,7 +89,6 @@ class Run:
     dir: Path
     returncode: int
     output: str
-    wall_s: float
 
     def result(self) -> dict[str, Any]:
         return dict(json.loads((self.dir / "result.json").read_text()))
@@ -112,7 +113,6 @@ def submit(m: Machine, run_dir: Path, *overrides: str, env: dict[str, str] | Non
     """`python -m gpujobs.submit` to the end, its output kept beside the run dir."""
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "gpujobs.submit", f"hydra.run.dir={run_dir}", *overrides, *m.overrides]
-    started = time.monotonic()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=REPO,
                               env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
@@ -120,12 +120,12 @@ def submit(m: Machine, run_dir: Path, *overrides: str, env: dict[str, str] | Non
         raise CheckFailed(f"the run in {run_dir} took over {timeout_s:.0f} s") from err
     output = proc.stdout + proc.stderr
     (run_dir.parent / f"{run_dir.name}.out").write_text(output)
-    return Run(run_dir, proc.returncode, output, time.monotonic() - started)
+    return Run(run_dir, proc.returncode, output)
 
 
-def cuda_child(name: str, *args: str, timeout_s: float = 300) -> str:
+def cuda_child(name: str, timeout_s: float = 300) -> str:
     """Run check `name` of gpu_check_cuda.py in a process of its own; its last line is the key figure."""
-    cmd = [sys.executable, str(REPO / "bench" / "gpu_check_cuda.py"), name, *args]
+    cmd = [sys.executable, str(REPO / "bench" / "gpu_check_cuda.py"), name]
     try:
         proc = subprocess.run(cmd, cwd=REPO, timeout=timeout_s, stdout=subprocess.PIPE, text=True)
     except subprocess.TimeoutExpired as err:
@@ -140,8 +140,8 @@ def cuda_child(name: str, *args: str, timeout_s: float = 300) -> str:
 def resume_in_place(m: Machine) -> str:
     """A run stopped at its last step, resumed in the same run dir to twice as many steps: it goes on from
     the save, at the speed it had (samples/s after >= 0.9x before), with trainer.grad_accum=2 throughout."""
-    steps = 60
-    common = (*TINY, *m.ranks(1), "trainer.grad_accum=2", "trainer.log_every=5", "trainer.eval_every=0",
+    steps = 200 if m.cuda else 60  # a GPU's steps are short: more of them for as many log windows of note
+    common = (*TINY, *m.ranks(1), "trainer.grad_accum=2", f"trainer.log_every={steps // 12}", "trainer.eval_every=0",
               "checkpoint.every_steps=0")
     run_dir = m.work / "resume" / "run"
     first = submit(m, run_dir, *common, f"trainer.max_steps={steps}").completed()
@@ -153,7 +153,7 @@ def resume_in_place(m: Machine) -> str:
 
     def rate(lo: int, hi: int) -> float:
         # the median log window, the first of each attempt left out (warm-up: allocator, threads, caches)
-        rates = sorted(r["samples_per_s"] for r in second.metrics("train") if lo + 5 < r["step"] <= hi)
+        rates = sorted(r["samples_per_s"] for r in second.metrics("train") if lo + steps // 12 < r["step"] <= hi)
         need(len(rates) >= 5, f"{len(rates)} log windows in steps {lo}..{hi}")
         return float(rates[len(rates) // 2])
 
@@ -221,7 +221,7 @@ def two_ranks_one_device(m: Machine) -> str:
     common = (*TINY, "data.global_batch_size=128", "trainer.balance=dynamic", "trainer.balance_every=6",
               "trainer.log_every=6", "checkpoint.async=true", "checkpoint.every_steps=10")
     run = submit(m, run_dir, *common, *m.ranks(2), "trainer.max_steps=60", "telemetry.debug_slow_rank=1",
-                 "telemetry.debug_slow_factor=3", env={"GPUJOBS_CHECK_GLOO_ON_CUDA": "1"})  # NCCL refuses a shared GPU
+                 "telemetry.debug_slow_factor=3", env={GLOO_ON_CUDA_ENV: "1"})  # NCCL refuses a shared GPU
     result = run.completed()
     need(result["world_size"] == 2, result)
     shared = f"({'cpu' if not m.cuda else 'cuda:0' if m.gpus == 1 else 'cuda:'}"
@@ -280,7 +280,7 @@ def nccl_run(m: Machine) -> str:
                 except (OSError, ValueError):  # not up yet, or closed between two polls
                     pass
             time.sleep(0.5)
-    run = Run(run_dir, proc.returncode, (run_dir.parent / "run.out").read_text(), 0.0)
+    run = Run(run_dir, proc.returncode, (run_dir.parent / "run.out").read_text())
     result = run.completed()
     need(result["world_size"] == ranks, result)
     logs = run.rank_logs()
