@@ -232,6 +232,9 @@ def two_ranks_one_device(m: Machine) -> str:
     need(counts[0] > counts[1], f"rank 1 is 3x slower, yet its share is not the smaller: {plans}")
     saves = run.metrics("checkpoint")
     need(sum(s["async"] for s in saves) >= 3 and saves[-1]["async"] is False, saves)
+    kept = [d for d in (run_dir / "checkpoints").iterdir() if (d / "COMPLETE").exists()]
+    need(bool(kept) and all((d / "rank_0.pt").exists() and (d / "rank_1.pt").exists() for d in kept),
+         f"a checkpoint marked complete without both ranks' files: {[sorted(os.listdir(d)) for d in kept]}")
     saved = Path(result["saved"])
     streams = [torch.load(saved / f"rank_{r}.pt", map_location="cpu", weights_only=False)["rng"] for r in (0, 1)]
     need(all(isinstance(s["torch"], torch.Tensor) for s in streams), "a rank saved no random stream of its own")
