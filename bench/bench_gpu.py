@@ -4,13 +4,18 @@
 
 The CUDA sibling of bench_trainer.py: one rank on one GPU, the same autocast in both loops (the trainer's
 `amp=auto`: bf16 from compute capability 8.0, else fp32), the rec experiment, rounds alternating a, b, b,
-a…; the median ratio of samples/s is reported. Exits 3 with one line where there is no CUDA GPU.
+a…; the median ratio of samples/s is reported. Both loops run DDP in a one-rank process group as a job's
+(`cpu:gloo,cuda:nccl`, forced by GPUJOBS_FORCE_PROCESS_GROUP), so the trainer's side pays for what a job's
+does on a GPU: NCCL all-reduces and the compute clock's communication hook (`--no-ddp`: no group, no DDP).
+Exits 3 with one line where there is no CUDA GPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -18,16 +23,21 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from bench_trainer import job_config
+from torch.nn.parallel import DistributedDataParallel
 
 from gpujobs.config import JobConfig
 from gpujobs.run.checkpoint import CheckpointManager
+from gpujobs.run.distributed import FORCE_GROUP_ENV, destroy_process_group, init_process_group
 from gpujobs.run.entry import load_task_builder
-from gpujobs.run.jobenv import DistInfo
+from gpujobs.run.jobenv import DistInfo, free_port
 from gpujobs.run.metrics import MetricsLog
 from gpujobs.run.precision import autocast_dtype
 from gpujobs.run.rng import seed_everything
 from gpujobs.run.trainer import Trainer
+
+INFO = DistInfo(0, 0, 1, 1, "127.0.0.1", 29500, "bench")
 
 
 def run(kind: str, job: JobConfig) -> float:
@@ -35,11 +45,13 @@ def run(kind: str, job: JobConfig) -> float:
     seed_everything(job.trainer.seed)
     task = load_task_builder(job.task)(job.model, job.data, 1, job.trainer.grad_accum)
     if kind == "gpujobs":
-        info = DistInfo(0, 0, 1, 1, "127.0.0.1", 29500, "bench")
+        info = INFO
         with tempfile.TemporaryDirectory() as tmp:
             trainer = Trainer(job, info, device, task, CheckpointManager(Path(tmp), 0, 1, 0), MetricsLog(None))
             return float(trainer.fit()["samples_per_s"])
     model = task.model.to(device)
+    # the plain loop's DDP, without a hook: what the trainer adds on top of it is the cost measured
+    wrapped = DistributedDataParallel(model, device_ids=[0]) if dist.is_initialized() else model
     dtype = autocast_dtype(job.trainer.amp, [torch.cuda.get_device_capability(device)])  # the trainer's choice
     optimizer = torch.optim.Adam(model.parameters(), lr=job.optim.lr)
     torch.cuda.synchronize()
@@ -47,7 +59,7 @@ def run(kind: str, job: JobConfig) -> float:
     for step in range(job.trainer.max_steps):
         batch = task.train_batch(step, 0, task.global_batch_size, device)
         with torch.autocast(device_type="cuda", dtype=dtype, enabled=dtype is not None):
-            loss = task.loss(model, batch)
+            loss = task.loss(wrapped, batch)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -59,13 +71,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--no-ddp", dest="ddp", action="store_false", help="one rank without a process group")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_gpu: no CUDA GPU here (torch.cuda.is_available() is False); this bench needs one",
               file=sys.stderr)
         raise SystemExit(3)
-    job = job_config(args.steps, ["resources.gpus_per_node=1", "trainer.log_every=50", *args.overrides])
+    # procs_per_node too: the rec experiment's 2 CPU ranks would otherwise refuse one GPU rank
+    job = job_config(args.steps, ["resources.gpus_per_node=1", "resources.procs_per_node=1", "trainer.log_every=50",
+                                  *args.overrides])
+    if args.ddp:
+        os.environ[FORCE_GROUP_ENV] = "1"
+        init_process_group(dataclasses.replace(INFO, master_port=free_port()), job.nccl, 120)
     rates: dict[str, list[float]] = {"gpujobs": [], "plain": []}
     run("plain", job)  # warm-up: CUDA context, kernels, allocator
     for round_ in range(args.rounds):
@@ -76,10 +94,13 @@ def main() -> None:
     print(json.dumps({
         "device": torch.cuda.get_device_name(0),
         "steps": args.steps,
+        "ddp": args.ddp,
         "trainer_samples_per_s": round(statistics.median(rates["gpujobs"]), 1),
         "plain_samples_per_s": round(statistics.median(rates["plain"]), 1),
         "trainer_vs_plain": round(statistics.median(ratios), 3),
     }, indent=2))
+    if args.ddp:
+        destroy_process_group()
 
 
 if __name__ == "__main__":

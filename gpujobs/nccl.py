@@ -13,6 +13,11 @@ from gpujobs.rundir import NCCL_DIR
 from gpujobs.rundir.trust import own_dir
 from gpujobs.validate import Checked, bounds
 
+#: Set to 1 to run the ranks' group on gloo alone even on CUDA (`bench/gpu_check.py` sets it), so that more
+#: ranks than GPUs can share them: NCCL refuses two ranks on a GPU, gloo takes CUDA tensors for DDP's
+#: all-reduce and broadcast. A check-only knob, not config: gloo moves gradients through the host, far slower.
+GLOO_ON_CUDA_ENV = "GPUJOBS_CHECK_GLOO_ON_CUDA"
+
 #: NCCL environment variables gpujobs accepts in `nccl.extra` (from NCCL's documented list).
 #: Anything else is almost always a typo that NCCL would silently ignore.
 KNOWN_NCCL_VARS: frozenset[str] = frozenset(

@@ -10,6 +10,8 @@ cd "$(dirname "$0")/.."
 
 echo "== ruff"; ruff check gpujobs jobs hydra_plugins tests bench scripts
 echo "== mypy"; mypy
+# the bench scripts too (not a package): the GPU ones run only where a GPU is lent, a typo costs that time
+mypy bench
 
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   # Debian's prometheus + promtool for tests/test_prometheus.py (~15 s from the apt cache). Its postinst

@@ -273,6 +273,14 @@ def test_one_rank_joins_a_group_only_when_forced() -> None:
     mp.spawn(_forced_worker, args=(free_port(),), nprocs=1)
 
 
+def test_gpu_check_shares_one_gpu_between_ranks_on_gloo_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    # NCCL refuses two ranks on one GPU: gpu_check's two-rank run on a one-GPU machine needs gloo there too
+    monkeypatch.setenv(distributed.GLOO_ON_CUDA_ENV, "1")
+    assert distributed.backend_for(cuda=True) == "gloo"
+    monkeypatch.setenv(distributed.GLOO_ON_CUDA_ENV, "0")
+    assert distributed.backend_for(cuda=True) == "cpu:gloo,cuda:nccl"
+
+
 # ---------------------------------------------------------------- 3. the real job on a device-aware group
 def _job_worker(rank: int, job: TrainJob, out: str) -> None:
     assert job.master_port is not None

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from gpujobs.config import JobConfig
 from gpujobs.errors import ConfigError
 from gpujobs.launch.follow import JobFollower
+from gpujobs.nccl import GLOO_ON_CUDA_ENV
 from gpujobs.run import failures
 from gpujobs.run.evidence import descendants, kill_tree, process_start
 from gpujobs.run.hangs import HangReport, Watchdog
@@ -38,7 +39,7 @@ def check_local_resources(job: JobConfig, gpus_here: int) -> None:
     res = job.resources
     if res.nodes != 1:
         raise ConfigError("resources.nodes", res.nodes, "1 with cluster=local (use cluster=slurm for more nodes)")
-    if res.gpus_per_node > gpus_here:
+    if res.gpus_per_node > gpus_here and not (gpus_here and os.environ.get(GLOO_ON_CUDA_ENV) == "1"):
         listed = os.environ.get("CUDA_VISIBLE_DEVICES")
         if listed is not None:
             hint = f"0..{gpus_here} (the GPUs CUDA_VISIBLE_DEVICES={listed!r} names here)"
@@ -54,15 +55,17 @@ def run_local(job: JobConfig, run_dir: Path) -> int:
     """Run the job here (resources already checked by `check_local_resources`); 0 when it completed."""
     import submitit  # lazily: keeps `--help` and validation fast
 
-    from gpujobs.launch.gpus import choose_local_gpus
+    from gpujobs.launch.gpus import choose_local_gpus, local_gpu_count
 
     res = job.resources
     gpus = choose_local_gpus(res)
+    if os.environ.get(GLOO_ON_CUDA_ENV) == "1":  # check-only: the ranks share the GPUs there are
+        gpus = gpus[:local_gpu_count()]
     executor = submitit.LocalExecutor(folder=run_dir / job.cluster.folder)
     executor.update_parameters(
         nodes=1,
         tasks_per_node=res.ranks_per_node,
-        gpus_per_node=res.gpus_per_node,
+        gpus_per_node=len(gpus),
         timeout_min=job.cluster.timeout_min,
         signal_delay_s=job.cluster.signal_lead_s,
     )

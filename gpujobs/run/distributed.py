@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from gpujobs.config import JobConfig
 from gpujobs.errors import ConfigError, GpujobsError
-from gpujobs.nccl import NcclSettings
+from gpujobs.nccl import GLOO_ON_CUDA_ENV, NcclSettings
 from gpujobs.nvml import rank_gpu_uuid
 from gpujobs.run import collectives
 from gpujobs.run.evidence import nccl_debug_env
@@ -64,13 +64,14 @@ def too_few_gpus(node: str, ranks: int, visible: int, listed: Optional[str], sha
     )
 
 
-#: Set to 1 to make a one-rank job join a process group anyway (`bench/gpu_check.sh` sets it, so a
+#: Set to 1 to make a one-rank job join a process group anyway (`bench/gpu_check.py` sets it, so a
 #: one-GPU machine runs every collective through a real NCCL group). A check-only knob, not config.
 FORCE_GROUP_ENV = "GPUJOBS_FORCE_PROCESS_GROUP"
 
 
 def backend_for(cuda: bool) -> str:
-    """The process group's backend: device-aware `cpu:gloo,cuda:nccl` on CUDA, `gloo` on the CPU.
+    """The process group's backend: device-aware `cpu:gloo,cuda:nccl` on CUDA, `gloo` on the CPU
+    (and on CUDA too where `GPUJOBS_CHECK_GLOO_ON_CUDA` is 1).
 
     Why device-aware rather than plain `nccl` with every tensor copied to the GPU: DDP's gradient
     buckets live on the GPU and go to NCCL either way, while the small host-side collectives (timing
@@ -79,7 +80,7 @@ def backend_for(cuda: bool) -> str:
     that needs no guess at which GPU is this rank's. The helpers in `collectives` still place tensors
     on a device the group serves, so a CUDA-only group (a user's `nccl`) works too.
     """
-    return "cpu:gloo,cuda:nccl" if cuda else "gloo"
+    return "cpu:gloo,cuda:nccl" if cuda and os.environ.get(GLOO_ON_CUDA_ENV) != "1" else "gloo"
 
 
 def torch_nccl_env(job: JobConfig, run_dir: Path, pipe_dir: Optional[Path]) -> dict[str, str]:
@@ -110,6 +111,8 @@ def init_process_group(
     export_torchrun_env(info)
     cuda = torch.cuda.is_available()
     backend = backend_for(cuda)
+    if cuda and backend == "gloo":
+        log.warning("%s=1, a check-only switch: the ranks' GPU tensors go through gloo, not NCCL", GLOO_ON_CUDA_ENV)
     if cuda:
         # the helpers and NCCL use the current device: each rank's own GPU, before the first collective
         torch.cuda.set_device(device_for(info))
@@ -263,7 +266,8 @@ def gather_ranks(info: DistInfo, device: torch.device) -> list[dict[str, Any]]:
         "gpu_uuid": uuid,
     }
     ranks = collectives.all_gather_objects(mine)
-    one_gpu_per_rank(ranks)
+    if os.environ.get(GLOO_ON_CUDA_ENV) != "1":  # the check-only switch puts ranks on one GPU on purpose
+        one_gpu_per_rank(ranks)
     return ranks
 
 
