@@ -21,6 +21,7 @@ import pytest
 from conftest import SLOW, compose_job, read_metrics, read_result, submit
 from jobctl import RunningJob, attempts
 
+from gpujobs.rundir import lease
 from gpujobs.rundir.attempts import AttemptLog, AttemptNotRecorded
 
 
@@ -236,7 +237,7 @@ def test_a_ledger_line_a_full_disk_refuses_is_said_in_one_line(tmp_path: Path) -
     unwritten, unstarted = proc.stderr.splitlines()[-2:]
     assert unwritten == (f"gpujobs: attempt 1 ended failed (failed 1 of at most 1), but its line could not be "
                          f"written to {run_dir / 'attempts.jsonl'}: No space left on device; the budgets still "
-                         "count it"), proc.stderr
+                         "count it (kept in the lease)"), proc.stderr
     assert unstarted == f"gpujobs: attempt 2 could not be started in {run_dir / 'submitit'}: No space left on device"
     assert ledger == ""
 
@@ -272,3 +273,27 @@ def test_an_attempt_no_line_fits_is_still_counted_and_written_once_there_is_room
         log.record(cluster, "cancelled", start=3.0)
         assert [a.attempt for a in log.read()] == [1, 2, 3] and not log.unrecorded
         assert [json.loads(line)["attempt"] for line in log.path.read_text().splitlines()] == [1, 2, 3]
+
+
+def test_an_attempt_no_line_fits_is_counted_by_the_next_process_through_the_lease(tmp_path: Path) -> None:
+    """A full disk takes no ledger line: the lease keeps the attempt (in the room kept beside it), so a
+    log with nothing in memory (a fresh launcher, the supervisor after a requeue, rank 0) counts it too."""
+    cluster = compose_job("cluster=local", "cluster.max_restarts=1").cluster
+    with small_disk(tmp_path / "disk", "1m") as disk:
+        lease.acquire(disk, lease.here())
+        filler = fill(disk)
+        with pytest.raises(AttemptNotRecorded, match=r"attempt 1 ended failed .*\(kept in the lease\)$"):
+            AttemptLog(disk).record(cluster, "failed", start=1.0)
+        with pytest.raises(AttemptNotRecorded, match=r"\(kept in the lease\)$") as second:
+            AttemptLog(disk).record(cluster, "failed", start=2.0)
+        assert second.value.attempt.attempt == 2 and second.value.attempt.requeue is False, second.value.attempt
+        assert "budget exhausted" in second.value.attempt.why
+        held = lease.read(disk)
+        assert held is not None and [line["attempt"] for line in held.unrecorded] == [1, 2], held
+        filler.unlink()
+        AttemptLog(disk).record(cluster, "cancelled", start=3.0)
+        lines = [json.loads(line) for line in (disk / "attempts.jsonl").read_text().splitlines()]
+        held = lease.read(disk)
+    assert [(line["attempt"], line["reason"]) for line in lines] == [(1, "failed"), (2, "failed"), (3, "cancelled")]
+    assert lines[0]["why"] == "failed 1 of at most 1 (written without its details: the disk was full)", lines
+    assert held is not None and held.unrecorded == [] and held.pid == os.getpid(), held

@@ -114,12 +114,13 @@ def _own_file(fd: int, path: Path) -> int:
     return fd
 
 
-def open_own(path: Path, mode: int = 0o644) -> int:
+def open_own(path: Path, mode: int = 0o644, truncate: bool = True) -> int:
     """A descriptor to write `path` from its start, made when missing; a symlink there is not followed
     (O_NOFOLLOW), and a file that is not the user's alone is left as it is (Untrusted): truncated only
-    once checked."""
+    once checked (and only if `truncate`)."""
     fd = _own_file(_open(path, os.O_WRONLY | os.O_CREAT, mode), Path(path))
-    os.ftruncate(fd, 0)
+    if truncate:
+        os.ftruncate(fd, 0)
     return fd
 
 
