@@ -13,6 +13,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -297,3 +298,27 @@ def test_an_attempt_no_line_fits_is_counted_by_the_next_process_through_the_leas
     assert [(line["attempt"], line["reason"]) for line in lines] == [(1, "failed"), (2, "failed"), (3, "cancelled")]
     assert lines[0]["why"] == "failed 1 of at most 1 (written without its details: the disk was full)", lines
     assert held is not None and held.unrecorded == [] and held.pid == os.getpid(), held
+
+
+def test_a_completed_script_attempt_a_full_disk_refuses_is_said_in_two_lines(tmp_path: Path) -> None:
+    """The launcher records a script job's `completed` attempt on a full disk: neither the line nor
+    result.json fits. Each is said in one line on stderr, no traceback, and the launcher goes on (exit 0)."""
+    script = Path(__file__).parent / "scripts" / "torchrun_style.py"
+    with small_disk(tmp_path / "disk", "1m") as disk:
+        run_dir = disk / "run"
+        run_dir.mkdir()
+        fill(disk)
+        code = ("import sys, time; from pathlib import Path; from conftest import compose_job; "
+                "from gpujobs.run.script import record_completed; "
+                f"job = compose_job('cluster=local', 'resources.procs_per_node=2', '+script.path={script}'); "
+                f"record_completed(Path('{run_dir}'), job, 2, time.time() - 5, 5.0, recorded_by='launcher')")
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                              cwd=Path(__file__).parent)
+        left = {p.name: p.read_text() for p in run_dir.iterdir()}
+    assert proc.returncode == 0, proc.stderr
+    unrecorded, no_result = proc.stderr.splitlines()
+    assert unrecorded.startswith("gpujobs: attempt 1 ended completed (completed), but its line could not be written "
+                                 f"to {run_dir / 'attempts.jsonl'}: No space left on device"), proc.stderr
+    assert no_result == (f"gpujobs: the run completed, but its result could not be written to "
+                         f"{run_dir / 'result.json'}: No space left on device"), proc.stderr
+    assert left == {"attempts.jsonl": ""}, left  # no torn line, no temp file of result.json

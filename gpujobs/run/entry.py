@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 from gpujobs.config import JobConfig
 from gpujobs.rundir import CHECKPOINT_DIR, METRICS_FILE
-from gpujobs.rundir.records import write_result
+from gpujobs.rundir.records import write_result_or_say
 
 log = logging.getLogger("gpujobs")
 
@@ -151,7 +151,7 @@ class TrainJob:
             raise SystemExit(EXIT_REQUEUED)  # like submitit: no result pickle, the job is not over
         if info.is_main:
             record_attempt(self.run_dir, job, "completed", **line)
-            write_result(run_dir, result)
+            write_result_or_say(run_dir, result)
         return result
 
 

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from gpujobs.config import JobConfig
 from gpujobs.run import failures, orphan
 from gpujobs.run.jobenv import detect, export_torchrun_env
-from gpujobs.rundir.records import write_result
+from gpujobs.rundir.records import write_result_or_say
 
 if TYPE_CHECKING:
     from gpujobs.run.preemption import PreemptionWatcher
@@ -111,12 +111,17 @@ def record_completed(run_dir: Path, job: JobConfig, world_size: int, started: fl
     Rank 0 records it only when it ran alone. With peers, a script's rank 0 may end before another
     rank's script fails (a last save, an evaluation on one rank), so the line is written by what stands
     beside the ranks and sees all of them end: the supervisor of the Slurm step, or the local launcher.
+    A full disk that takes neither is said in one line on stderr each; the run ends as it would have.
     """
     from gpujobs.run.preemption import record_attempt
+    from gpujobs.rundir.attempts import AttemptNotRecorded, say_unrecorded
 
-    record_attempt(str(run_dir), job, "completed", recorded_by=recorded_by, world_size=world_size,
-                   start=round(started, 3), script_exit=0)
-    write_result(run_dir, _result(job, world_size, wall_s))
+    try:
+        record_attempt(str(run_dir), job, "completed", recorded_by=recorded_by, world_size=world_size,
+                       start=round(started, 3), script_exit=0)
+    except AttemptNotRecorded as err:
+        say_unrecorded(err)
+    write_result_or_say(run_dir, _result(job, world_size, wall_s))
 
 
 def _record_if_orphaned(run_dir: Path, job: JobConfig, started: float) -> None:
