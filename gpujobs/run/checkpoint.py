@@ -62,12 +62,12 @@ _TMP = ".tmp-"
 class CheckpointNotSaved(GpujobsError):
     """A save failed on some rank: nothing was published; the message names the step and the last good one.
 
-    Every rank raises it at the same step (the ranks decide together); `ranks` are those whose write
-    failed (rank 0 where publishing failed), so the ledger blames one of them, not the fastest echo."""
+    Every rank raises it at the same step (the ranks decide together); `ranks` (its `culprit_ranks`) are
+    those whose write failed (rank 0 where publishing failed)."""
 
     def __init__(self, message: str, ranks: Sequence[int] = ()) -> None:
         super().__init__(message)
-        self.ranks = list(ranks)
+        self.culprit_ranks = list(ranks)
 
 
 _CHUNK = 8 << 20
