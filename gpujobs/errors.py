@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 
 class GpujobsError(Exception):
     """Base class: an error the user can act on, reported as one line."""
+
+    culprit_ranks: Sequence[int] = ()
+    """The ranks an error raised on every rank at once knows to be its cause (a failed save: those whose
+    write failed), so the ledger blames one of them, not the fastest echo; empty where it knows none."""
 
 
 class ConfigError(GpujobsError, ValueError):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -140,3 +141,25 @@ def test_loading_refuses_pickled_code(tmp_path: Path) -> None:
     manager.save(2, lambda: {"payload": Evil()}, {})
     loaded, skipped = manager.load_latest()  # weights_only=True rejects step 2 and falls back
     assert loaded is not None and loaded.step == 1 and [s["step"] for s in skipped] == [2]
+
+
+@pytest.mark.parametrize("planted", ["step dir", "state.pt", "rank_0.pt", MARKER])
+def test_a_planted_symlink_in_a_checkpoint_is_skipped_never_followed(tmp_path: Path, planted: str) -> None:
+    """Whoever could once write the run dir plants a link to a checkpoint of theirs that verifies (step 5):
+    the resume logs it as skipped and takes the older step of its own."""
+    theirs = save(CheckpointManager(tmp_path / "theirs", every_steps=1, keep=1), 5)
+    manager = CheckpointManager(tmp_path / "ck", every_steps=1, keep=3)
+    save(manager, 3)
+    step = manager.path_for(5)
+    if planted == "step dir":
+        step.symlink_to(theirs, target_is_directory=True)
+    else:
+        shutil.copytree(theirs, step)
+        (step / planted).unlink()
+        (step / planted).symlink_to(theirs / planted)
+    loaded, skipped = manager.load_latest()
+    assert loaded is not None and loaded.step == 3, loaded
+    link = step if planted == "step dir" else step / planted
+    assert skipped == [{"step": 5, "why": f"rank 0: {link} is a symlink"
+                        + (": the job does not read it (remove it, if it is no run's)" if planted == "step dir"
+                           else ": the job does not follow it (remove it, if it is no run's)")}], skipped

@@ -13,6 +13,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +22,7 @@ import pytest
 from conftest import SLOW, compose_job, read_metrics, read_result, submit
 from jobctl import RunningJob, attempts
 
+from gpujobs.rundir import lease
 from gpujobs.rundir.attempts import AttemptLog, AttemptNotRecorded
 
 
@@ -236,7 +238,7 @@ def test_a_ledger_line_a_full_disk_refuses_is_said_in_one_line(tmp_path: Path) -
     unwritten, unstarted = proc.stderr.splitlines()[-2:]
     assert unwritten == (f"gpujobs: attempt 1 ended failed (failed 1 of at most 1), but its line could not be "
                          f"written to {run_dir / 'attempts.jsonl'}: No space left on device; the budgets still "
-                         "count it"), proc.stderr
+                         "count it (kept in the lease)"), proc.stderr
     assert unstarted == f"gpujobs: attempt 2 could not be started in {run_dir / 'submitit'}: No space left on device"
     assert ledger == ""
 
@@ -272,3 +274,51 @@ def test_an_attempt_no_line_fits_is_still_counted_and_written_once_there_is_room
         log.record(cluster, "cancelled", start=3.0)
         assert [a.attempt for a in log.read()] == [1, 2, 3] and not log.unrecorded
         assert [json.loads(line)["attempt"] for line in log.path.read_text().splitlines()] == [1, 2, 3]
+
+
+def test_an_attempt_no_line_fits_is_counted_by_the_next_process_through_the_lease(tmp_path: Path) -> None:
+    """A full disk takes no ledger line: the lease keeps the attempt (in the room kept beside it), so a
+    log with nothing in memory (a fresh launcher, the supervisor after a requeue, rank 0) counts it too."""
+    cluster = compose_job("cluster=local", "cluster.max_restarts=1").cluster
+    with small_disk(tmp_path / "disk", "1m") as disk:
+        lease.acquire(disk, lease.here())
+        filler = fill(disk)
+        with pytest.raises(AttemptNotRecorded, match=r"attempt 1 ended failed .*\(kept in the lease\)$"):
+            AttemptLog(disk).record(cluster, "failed", start=1.0)
+        with pytest.raises(AttemptNotRecorded, match=r"\(kept in the lease\)$") as second:
+            AttemptLog(disk).record(cluster, "failed", start=2.0)
+        assert second.value.attempt.attempt == 2 and second.value.attempt.requeue is False, second.value.attempt
+        assert "budget exhausted" in second.value.attempt.why
+        held = lease.read(disk)
+        assert held is not None and [line["attempt"] for line in held.unrecorded] == [1, 2], held
+        filler.unlink()
+        AttemptLog(disk).record(cluster, "cancelled", start=3.0)
+        lines = [json.loads(line) for line in (disk / "attempts.jsonl").read_text().splitlines()]
+        held = lease.read(disk)
+    assert [(line["attempt"], line["reason"]) for line in lines] == [(1, "failed"), (2, "failed"), (3, "cancelled")]
+    assert lines[0]["why"] == "failed 1 of at most 1 (written without its details: the disk was full)", lines
+    assert held is not None and held.unrecorded == [] and held.pid == os.getpid(), held
+
+
+def test_a_completed_script_attempt_a_full_disk_refuses_is_said_in_two_lines(tmp_path: Path) -> None:
+    """The launcher records a script job's `completed` attempt on a full disk: neither the line nor
+    result.json fits. Each is said in one line on stderr, no traceback, and the launcher goes on (exit 0)."""
+    script = Path(__file__).parent / "scripts" / "torchrun_style.py"
+    with small_disk(tmp_path / "disk", "1m") as disk:
+        run_dir = disk / "run"
+        run_dir.mkdir()
+        fill(disk)
+        code = ("import sys, time; from pathlib import Path; from conftest import compose_job; "
+                "from gpujobs.run.script import record_completed; "
+                f"job = compose_job('cluster=local', 'resources.procs_per_node=2', '+script.path={script}'); "
+                f"record_completed(Path('{run_dir}'), job, 2, time.time() - 5, 5.0, recorded_by='launcher')")
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                              cwd=Path(__file__).parent)
+        left = {p.name: p.read_text() for p in run_dir.iterdir()}
+    assert proc.returncode == 0, proc.stderr
+    unrecorded, no_result = proc.stderr.splitlines()
+    assert unrecorded.startswith("gpujobs: attempt 1 ended completed (completed), but its line could not be written "
+                                 f"to {run_dir / 'attempts.jsonl'}: No space left on device"), proc.stderr
+    assert no_result == (f"gpujobs: the run completed, but its result could not be written to "
+                         f"{run_dir / 'result.json'}: No space left on device"), proc.stderr
+    assert left == {"attempts.jsonl": ""}, left  # no torn line, no temp file of result.json

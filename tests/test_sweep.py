@@ -377,6 +377,10 @@ def test_a_local_sweep_run_again_with_another_value_is_refused_before_any_point_
     ("basic", "same", "points #0 and #1 would both run in {sweep}/same (sweep point #1: "),
     ("gpujobs", ".", "point #0 would run on the sweep dir itself (sweep point #0: "),
     ("basic", "../out", "point #0 would run in {tmp}/out, outside it (sweep point #0: "),
+    ("gpujobs", "submitit", "point #0 would run in {sweep}/submitit, among the array scripts, logs and pickles of "
+                            "the sweep (sweep point #0: "),
+    ("basic", "submitit/x", "point #0 would run in {sweep}/submitit/x, among the array scripts, logs and pickles "
+                            "of the sweep (sweep point #0: "),
 ])
 def test_a_subdir_that_is_no_dir_of_its_own_inside_the_sweep_dir_is_refused_before_anything_runs(
     tmp_path: Path, sweeper: str, subdir: str, why: str

@@ -100,13 +100,16 @@ class SweepPlan:
         """Refuse a point whose run dir is not a dir of its own inside the sweep dir (ConfigError on
         hydra.sweep.subdir): on the sweep dir or outside it the point is no point of this sweep; sharing
         an earlier point's run dir (or lying inside it, or around it), two points would write one
-        config.yaml on Slurm, and a local one would find the other's result and call itself completed."""
+        config.yaml on Slurm, and a local one would find the other's result and call itself completed; in
+        the sweep's array folder (`ARRAY_FOLDER`), its files would lie among every task's."""
         sweep_dir, place = self.sweep_dir.resolve(), run_dir.resolve()
         wrong: Optional[str] = None
         if place == sweep_dir:
             wrong = f"point #{num} would run on the sweep dir itself"
         elif not place.is_relative_to(sweep_dir):
             wrong = f"point #{num} would run in {run_dir}, outside it"
+        elif place.is_relative_to(sweep_dir / ARRAY_FOLDER):
+            wrong = f"point #{num} would run in {run_dir}, among the array scripts, logs and pickles of the sweep"
         for other in self.points:
             theirs = other.run_dir.resolve()
             if place == theirs:
@@ -139,6 +142,7 @@ class SweepPlan:
         """Remove the empty run dirs Hydra made for the points (the sweep was refused)."""
         for point in self.points:
             discard_if_empty(point.run_dir)
+        discard_if_empty(self.sweep_dir / ARRAY_FOLDER)  # Hydra made it for a point refused for lying in it
         hydra_file = self.sweep_dir / "multirun.yaml"  # Hydra's sweeper wrote it before the launcher ran
         if self.sweep_dir.is_dir() and [entry.name for entry in self.sweep_dir.iterdir()] == [hydra_file.name]:
             hydra_file.unlink()

@@ -41,7 +41,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, BinaryIO, Optional
 
 import torch
 import torch.distributed as dist
@@ -51,7 +51,7 @@ from gpujobs.errors import GpujobsError
 from gpujobs.run import collectives
 from gpujobs.run.checkpoint_async import HostBuffers, InFlight, SaveGroups
 from gpujobs.rundir import MARKER, STEP_PREFIX
-from gpujobs.rundir.trust import own_dir
+from gpujobs.rundir.trust import check_own_dir, open_read, own_dir, read_own
 
 log = logging.getLogger(__name__)
 
@@ -62,12 +62,12 @@ _TMP = ".tmp-"
 class CheckpointNotSaved(GpujobsError):
     """A save failed on some rank: nothing was published; the message names the step and the last good one.
 
-    Every rank raises it at the same step (the ranks decide together); `ranks` are those whose write
-    failed (rank 0 where publishing failed), so the ledger blames one of them, not the fastest echo."""
+    Every rank raises it at the same step (the ranks decide together); `ranks` (its `culprit_ranks`) are
+    those whose write failed (rank 0 where publishing failed)."""
 
     def __init__(self, message: str, ranks: Sequence[int] = ()) -> None:
         super().__init__(message)
-        self.ranks = list(ranks)
+        self.culprit_ranks = list(ranks)
 
 
 _CHUNK = 8 << 20
@@ -75,13 +75,18 @@ _CHUNK = 8 << 20
 
 def _checksum(path: Path) -> tuple[int, int]:
     """Size and CRC-32 of a file (just written: its pages are still in the page cache)."""
-    size, crc = 0, 0
     with open(path, "rb", buffering=0) as handle:
-        buffer = bytearray(min(_CHUNK, max(1, os.fstat(handle.fileno()).st_size)))
-        view = memoryview(buffer)
-        while read := handle.readinto(buffer):
-            crc = zlib.crc32(view[:read], crc)
-            size += read
+        return _checksum_of(handle)
+
+
+def _checksum_of(handle: BinaryIO) -> tuple[int, int]:
+    """Size and CRC-32 of what `handle` reads from where it stands to its end."""
+    size, crc = 0, 0
+    buffer = bytearray(min(_CHUNK, max(1, os.fstat(handle.fileno()).st_size)))
+    view = memoryview(buffer)
+    while read := handle.readinto(buffer):  # type: ignore[attr-defined]  # a raw or buffered reader has it
+        crc = zlib.crc32(view[:read], crc)
+        size += read
     return size, crc
 
 
@@ -120,12 +125,15 @@ def _load_verified(path: Path, entry: Optional[dict[str, Any]], map_location: An
     """
     if entry is None:
         raise ValueError(f"{path.name} is not listed in the marker")
-    size, crc = _checksum(path)  # FileNotFoundError (an OSError) when missing
-    if size != entry["size"]:
-        raise ValueError(f"{path.name} has {size} bytes, the marker says {entry['size']}")
-    if crc != entry["crc32"]:
-        raise ValueError(f"{path.name} fails its checksum")
-    return torch.load(path, map_location=map_location, weights_only=True)
+    # FileNotFoundError (an OSError) when missing; Untrusted for a planted symlink: what is checked is loaded
+    with open_read(path) as handle:
+        size, crc = _checksum_of(handle)
+        if size != entry["size"]:
+            raise ValueError(f"{path.name} has {size} bytes, the marker says {entry['size']}")
+        if crc != entry["crc32"]:
+            raise ValueError(f"{path.name} fails its checksum")
+        handle.seek(0)
+        return torch.load(handle, map_location=map_location, weights_only=True)
 
 
 @dataclass
@@ -201,7 +209,8 @@ class CheckpointManager:
         only the shared state is verified and loaded, and `own` is empty.
         """
         path = self.path_for(step)
-        marker = json.loads((path / MARKER).read_text())
+        check_own_dir(path)  # a planted step dir (a symlink, another user's) would load what it points to
+        marker = json.loads(read_own(path / MARKER))
         files = marker.get("files", {})
         shared = _load_verified(path / SHARED_FILE, files.get(SHARED_FILE), map_location)
         if marker.get("world_size", self.world_size) != self.world_size:

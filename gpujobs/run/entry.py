@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 from gpujobs.config import JobConfig
 from gpujobs.rundir import CHECKPOINT_DIR, METRICS_FILE
-from gpujobs.rundir.records import write_result
+from gpujobs.rundir.records import write_result_or_say
 
 log = logging.getLogger("gpujobs")
 
@@ -55,7 +55,7 @@ class TrainJob:
         if info.is_main:
             from gpujobs.run import orphan
 
-            orphan.last_words.append(attempt.orphaned)
+            orphan.record_if_orphaned(self.run_dir, self.job, started, attempt.progress)
         with contextlib.ExitStack() as cleanup:
             cleanup.callback(watcher.uninstall)
             attempt.beat = self._heartbeat(info)
@@ -152,7 +152,7 @@ class TrainJob:
             raise SystemExit(EXIT_REQUEUED)  # like submitit: no result pickle, the job is not over
         if info.is_main:
             record_attempt(self.run_dir, job, "completed", **line)
-            write_result(run_dir, result)
+            write_result_or_say(run_dir, result)
         return result
 
 
@@ -187,10 +187,7 @@ class _Attempt:
             log.error("failed as the local launcher is gone: %s", error)
             orphan.say_last_words(launcher)
             return
-        from gpujobs.run.checkpoint import CheckpointNotSaved
-
-        named = err.ranks[0] if isinstance(err, CheckpointNotSaved) and err.ranks else None
-        blamed = failures.fail(Path(self.run_dir), info.rank, info.node, info.world_size, error, culprit=named)
+        blamed = failures.fail(Path(self.run_dir), info.rank, info.node, info.world_size, error, raised=err)
         if blamed is None:  # not rank 0
             return
         if _lines(self.run_dir) > self.lines_before:
@@ -199,21 +196,11 @@ class _Attempt:
         from gpujobs.run.preemption import record_attempt
 
         try:
-            record_attempt(self.run_dir, self.job, "failed", start=round(self.started, 3), **blamed, **self._progress())
+            record_attempt(self.run_dir, self.job, "failed", start=round(self.started, 3), **blamed, **self.progress())
         except Exception as record_err:  # never hide the real failure behind this one
             log.error("could not record the failed attempt: %s", record_err)
 
-    def orphaned(self, launcher: int) -> None:
-        """Rank 0 of a local job whose launcher is gone (killed outright): record the attempt as
-        `interrupted`, with how far it got, which the launcher can no longer do (`orphan.last_words`)."""
-        if _lines(self.run_dir) > self.lines_before:
-            return
-        from gpujobs.run.preemption import record_attempt
-
-        record_attempt(self.run_dir, self.job, "interrupted", start=round(self.started, 3),
-                       error=f"its launcher (pid {launcher}) was gone", **self._progress())
-
-    def _progress(self) -> dict[str, Any]:
+    def progress(self) -> dict[str, Any]:
         """How far the attempt got, for its line (nothing before the trainer exists)."""
         trainer = self.trainer
         return {} if trainer is None else {

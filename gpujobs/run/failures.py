@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from gpujobs.atomic import write_json_atomic
+from gpujobs.errors import GpujobsError
 from gpujobs.run.heartbeat import instance
 from gpujobs.rundir import FAILURES_DIR
 from gpujobs.rundir.trust import own_dir
@@ -159,9 +160,11 @@ def attempt_fields(run_dir: Path, world_size: int, own: RankFailure, culprit: Op
 
 
 def fail(run_dir: Path, rank: int, node: str, world_size: int, error: str,
-         culprit: Optional[int] = None) -> Optional[dict[str, Any]]:
-    """This rank failed with `error` (which names `culprit`, if it knows one): leave it for rank 0; on
-    rank 0, the attempt's `record_attempt` fields (`attempt_fields`), None on the others."""
+         raised: Optional[BaseException] = None) -> Optional[dict[str, Any]]:
+    """This rank failed with `error` (`raised`, whose `culprit_ranks` name its cause, if it knows one):
+    leave it for rank 0; on rank 0, the attempt's `record_attempt` fields (`attempt_fields`), None on
+    the others."""
     own = RankFailure(rank, node, error, time.time())
     leave(run_dir, own)
-    return attempt_fields(run_dir, world_size, own, culprit) if rank == 0 else None
+    named = raised.culprit_ranks if isinstance(raised, GpujobsError) else ()
+    return attempt_fields(run_dir, world_size, own, named[0] if named else None) if rank == 0 else None

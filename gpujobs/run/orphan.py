@@ -15,9 +15,13 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import Optional
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
 
 from gpujobs.run.evidence import alive, descendants, kill_tree, process_start
+
+if TYPE_CHECKING:
+    from gpujobs.config import JobConfig
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +31,26 @@ EXIT_ORPHANED = 1
 #: What runs before this rank ends for its launcher's going, with the launcher's pid: rank 0 records the
 #: attempt there (the launcher that would have is gone), so the ledger keeps every attempt.
 last_words: list[Callable[[int], None]] = []
+
+
+
+def record_if_orphaned(run_dir: str, job: JobConfig, started: float, progress: Callable[[], dict[str, Any]]) -> None:
+    """Rank 0 of a local job whose attempt began at `started`: should its launcher be killed outright,
+    record the attempt as `interrupted` (with `progress()`, how far it got) before the rank ends with it,
+    unless a line was written since the attempt began (rank 0's own, just before)."""
+    from gpujobs.run.preemption import record_attempt
+    from gpujobs.rundir.attempts import AttemptLog
+
+    ledger = AttemptLog(Path(run_dir))
+    before = len(ledger.read())
+
+    def record(launcher: int) -> None:
+        if len(ledger.read()) == before:
+            record_attempt(run_dir, job, "interrupted", start=round(started, 3),
+                           error=f"its launcher (pid {launcher}) was gone", **progress())
+
+    last_words.append(record)
+
 
 _watched: Optional[tuple[int, Optional[str]]] = None
 _said = threading.Lock()

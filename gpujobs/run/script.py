@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from gpujobs.config import JobConfig
 from gpujobs.run import failures, orphan
 from gpujobs.run.jobenv import detect, export_torchrun_env
-from gpujobs.rundir.records import write_result
+from gpujobs.rundir.records import write_result_or_say
 
 if TYPE_CHECKING:
     from gpujobs.run.preemption import PreemptionWatcher
@@ -60,8 +60,8 @@ class ScriptJob:
         if script is None:
             raise TypeError("ScriptJob needs a job with a script (make_payload builds it only then)")
         info = detect(self.master_port)
-        if info.is_main:
-            _record_if_orphaned(Path(self.run_dir), self.job, started)
+        if info.is_main:  # how far the script got is its own business: the line says when it ran, and why it ended
+            orphan.record_if_orphaned(self.run_dir, self.job, started, dict)
         export_torchrun_env(info)
         self.job.nccl.export_env(Path(self.run_dir))
         os.environ["GPUJOBS_RUN_DIR"] = self.run_dir
@@ -78,11 +78,11 @@ class ScriptJob:
             else:  # rank 0's script may have ended before the stop came
                 failures.ended(Path(self.run_dir), info.rank, info.node, reason)
             raise SystemExit(EXIT_REQUEUED)  # like the trainer: no result, the job is not over
-        launcher = orphan.gone_launcher()
-        if code != 0 and launcher is not None:  # killed as its launcher went (by this rank's watcher, or a peer's end)
-            orphan.say_last_words(launcher)
-            raise RuntimeError(f"{script.path} ended as the local launcher went, with code {code}")
         if code != 0:
+            launcher = orphan.gone_launcher()
+            if launcher is not None:  # killed as its launcher went (by this rank's watcher, or a peer's end)
+                orphan.say_last_words(launcher)
+                raise RuntimeError(f"{script.path} ended as the local launcher went, with code {code}")
             error = f"{script.path} exited with code {code}"
             # rank 0 records the rank that failed first, if not itself (its peers fail of it)
             blamed = failures.fail(Path(self.run_dir), info.rank, info.node, info.world_size, error)
@@ -111,30 +111,17 @@ def record_completed(run_dir: Path, job: JobConfig, world_size: int, started: fl
     Rank 0 records it only when it ran alone. With peers, a script's rank 0 may end before another
     rank's script fails (a last save, an evaluation on one rank), so the line is written by what stands
     beside the ranks and sees all of them end: the supervisor of the Slurm step, or the local launcher.
+    A full disk that takes neither is said in one line on stderr each; the run ends as it would have.
     """
     from gpujobs.run.preemption import record_attempt
+    from gpujobs.rundir.attempts import AttemptNotRecorded, say_unrecorded
 
-    record_attempt(str(run_dir), job, "completed", recorded_by=recorded_by, world_size=world_size,
-                   start=round(started, 3), script_exit=0)
-    write_result(run_dir, _result(job, world_size, wall_s))
-
-
-def _record_if_orphaned(run_dir: Path, job: JobConfig, started: float) -> None:
-    """Rank 0 of a local script job: should its launcher be killed outright, record the attempt as
-    `interrupted` before the rank ends with it (`orphan.last_words`), unless a line for it is there already.
-    How far the script got is its own business: the line says when it ran, and why it ended."""
-    from gpujobs.run.preemption import record_attempt
-    from gpujobs.rundir.attempts import AttemptLog
-
-    ledger = AttemptLog(run_dir)
-    before = len(ledger.read())
-
-    def record(launcher: int) -> None:
-        if len(ledger.read()) == before:
-            record_attempt(str(run_dir), job, "interrupted", start=round(started, 3),
-                           error=f"its launcher (pid {launcher}) was gone")
-
-    orphan.last_words.append(record)
+    try:
+        record_attempt(str(run_dir), job, "completed", recorded_by=recorded_by, world_size=world_size,
+                       start=round(started, 3), script_exit=0)
+    except AttemptNotRecorded as err:
+        say_unrecorded(err)
+    write_result_or_say(run_dir, _result(job, world_size, wall_s))
 
 
 def _run_until_done(command: list[str], cwd: Optional[str], stop_asked: Any) -> tuple[int, bool]:

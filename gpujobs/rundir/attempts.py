@@ -23,7 +23,7 @@ from typing import Any
 from gpujobs.atomic import append_jsonl, write_text_atomic
 from gpujobs.config import ClusterConfig
 from gpujobs.errors import GpujobsError
-from gpujobs.rundir import ATTEMPTS_FILE
+from gpujobs.rundir import ATTEMPTS_FILE, lease
 from gpujobs.rundir.records import Attempt, read_attempts
 
 
@@ -71,21 +71,27 @@ _ESSENTIAL = frozenset({"attempt", "reason", "requeue", "why", "end", "start", "
                         "world_size", "unit", "per_rank", "start_step", "steps_done", "saved", "excluded"})
 
 
+_SHORTENED = " (written without its details: the disk was full)"
+
+
 class AttemptNotRecorded(GpujobsError):
     """An attempt's line could not be written, not even without its details (a full disk)."""
 
-    def __init__(self, attempt: Attempt, path: Path, err: OSError) -> None:
+    def __init__(self, attempt: Attempt, path: Path, err: OSError, in_lease: bool) -> None:
         self.attempt = attempt
+        kept = ("kept in the lease" if in_lease
+                else "in this process's memory only: the lease could not be written either")
         super().__init__(f"attempt {attempt.attempt} ended {attempt.reason} ({attempt.why}), but its line could "
-                         f"not be written to {path}: {err.strerror or err}; the budgets still count it")
+                         f"not be written to {path}: {err.strerror or err}; the budgets still count it ({kept})")
 
 
 class AttemptLog:
     """Appends and reads `attempts.jsonl` (one writer at a time: rank 0, or the local launcher).
 
     A line that cannot be written whole (a full disk) is written without its details; one that cannot
-    be written at all is kept here (`unrecorded`), counted by this log's decisions and written before
-    its next line: a launcher that outlives a full disk still spends the budgets.
+    be written at all is kept in the run dir's lease (`lease.keep_unrecorded`) and here (`unrecorded`: the
+    lease may not take it either), counted by every log's decisions and written before the next line:
+    a launcher that outlives a full disk, or the next process to judge the budgets, still spends them.
     """
 
     def __init__(self, run_dir: Path) -> None:
@@ -94,31 +100,47 @@ class AttemptLog:
         self.unrecorded: list[Attempt] = []
 
     def read(self) -> list[Attempt]:
-        """All attempts, oldest first (a torn last line from a crash is ignored), with those this log
-        could not write."""
-        return sorted([*read_attempts(self.run_dir), *self.unrecorded], key=lambda attempt: attempt.end)
+        """All attempts, oldest first (a torn last line from a crash is ignored), with those no line holds."""
+        written = read_attempts(self.run_dir)
+        return sorted([*written, *self._unwritten(written)], key=lambda attempt: attempt.end)
+
+    def _unwritten(self, written: list[Attempt]) -> list[Attempt]:
+        """The attempts that this log or the lease keeps and that no line of `written` holds (the lease
+        is rewritten after the line: a crash between the two would count one twice)."""
+        held = lease.read(self.run_dir)
+        kept = [a for a in map(Attempt.from_json, held.unrecorded if held else []) if a is not None]
+        seen = {(a.attempt, a.end) for a in written}
+        pending: dict[tuple[int, float], Attempt] = {}
+        for attempt in [*kept, *self.unrecorded]:
+            if (attempt.attempt, attempt.end) not in seen:
+                pending.setdefault((attempt.attempt, attempt.end), attempt)
+        return list(pending.values())
 
     def record(self, cluster: ClusterConfig, reason: str, **fields: Any) -> Attempt:
         """Decide whether another attempt may follow the one that just ended with `reason`, and write
         its line (`fields`: the other `Attempt` fields); returns the attempt as written.
 
-        Raises AttemptNotRecorded (the attempt kept in `unrecorded`) when no line could be written."""
+        Raises AttemptNotRecorded (the attempt kept in the lease and `unrecorded`) when no line could be written."""
         history = self.read()
         decision = RequeuePolicy.of(cluster).decide(history, reason)
         attempt = Attempt(
             attempt=len(history) + 1, reason=reason, requeue=decision.requeue, why=decision.why,
             end=round(time.time(), 3), **fields,
         )
-        for earlier in list(self.unrecorded):  # one that fits now goes in first, in its place
-            with contextlib.suppress(AttemptNotRecorded):
+        pending = self._unwritten(read_attempts(self.run_dir))
+        for earlier in list(pending):  # one that fits now goes in first, in its place
+            with contextlib.suppress(OSError):
                 self._append(earlier)
-                self.unrecorded.remove(earlier)
+                pending.remove(earlier)
         try:
-            return self._append(attempt)
-        except AttemptNotRecorded:
-            self.unrecorded.append(attempt)
-            raise
-
+            written = self._append(attempt)
+        except OSError as err:
+            pending.append(attempt)
+            self.unrecorded = pending
+            raise AttemptNotRecorded(attempt, self.path, err, self._keep(pending)) from None
+        self.unrecorded = pending
+        self._keep(pending)
+        return written
     def record_or_say(self, cluster: ClusterConfig, reason: str, **fields: Any) -> Attempt:
         """`record`, for what stands beside the ranks (the launcher, the supervisor): a line that cannot be
         written is said in one line on stderr instead, and the attempt is returned as decided."""
@@ -135,11 +157,14 @@ class AttemptLog:
         write_text_atomic(self.path, "".join(json.dumps(a.to_json(), sort_keys=True) + "\n" for a in attempts))
         return attempts[-1]
 
+    def _keep(self, pending: list[Attempt]) -> bool:
+        """Keep `pending` (their short lines) in the lease; whether it took them."""
+        return lease.keep_unrecorded(self.run_dir, [_short(attempt) for attempt in pending])
+
     def _append(self, attempt: Attempt) -> Attempt:
         """Write `attempt`'s line, or, where it does not fit, the line without its details; returns the
-        attempt as written."""
-        short = dataclasses.replace(attempt, why=f"{attempt.why} (written without its details: the disk was full)")
-        lines = (attempt.to_json(), {key: value for key, value in short.to_json().items() if key in _ESSENTIAL})
+        attempt as written. Raises the OSError of the short line when neither fits."""
+        lines = (attempt.to_json(), _short(attempt))
         failed = OSError("not written")
         for line in lines:
             try:
@@ -157,7 +182,14 @@ class AttemptLog:
             written = Attempt.from_json(line)
             assert written is not None  # built from an Attempt: it reads back as one
             return written
-        raise AttemptNotRecorded(attempt, self.path, failed)
+        raise failed
+
+
+def _short(attempt: Attempt) -> dict[str, Any]:
+    """`attempt`'s line without its details, saying so (what a full disk may still take)."""
+    # one that the lease kept is short already
+    why = attempt.why if attempt.why.endswith(_SHORTENED) else attempt.why + _SHORTENED
+    return {key: value for key, value in dataclasses.replace(attempt, why=why).to_json().items() if key in _ESSENTIAL}
 
 
 def say_unrecorded(err: AttemptNotRecorded) -> None:

@@ -10,11 +10,16 @@ Why a file and not `flock`/`fcntl`: a Slurm job's lease must hold from `sbatch` 
 across requeues and while it is pending, when no process of it exists to hold a lock; and POSIX locks
 on NFS depend on the lock daemons of every node. A file created with `link()` (atomic on NFS, where
 `O_EXCL` was not always) and judged against the scheduler holds on any shared filesystem.
+
+The lease also keeps the attempts that no line of `attempts.jsonl` holds (a full disk): whichever process
+judges the budgets next (a fresh launcher, the Slurm supervisor after a requeue, rank 0) counts them. A
+full disk must not stop that write too: room for it is kept beside the lease (`.lease.json.spare`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -22,14 +27,15 @@ import socket
 import subprocess
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from gpujobs.atomic import fsync_path, write_text_atomic
 from gpujobs.errors import GpujobsError
 from gpujobs.rundir import LEASE_FILE
 from gpujobs.rundir.process import boot_id, process_start, started_at
+from gpujobs.rundir.trust import open_own
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +71,8 @@ class Lease:
     the holder. None in a lease of an older gpujobs: a process of that pid started after `since` is not."""
     boot_id: Optional[str] = None
     """The boot of `host` the process ran in (/proc/sys/kernel/random/boot_id)."""
+    unrecorded: list[dict[str, Any]] = field(default_factory=list)
+    """The attempts whose line `attempts.jsonl` could not take (`AttemptLog`), as their short lines."""
 
     def describe(self) -> str:
         """How an error line names the holder."""
@@ -197,6 +205,7 @@ def acquire(run_dir: Path, me: Lease, wait_s: float = 0.0) -> None:
             return
         if judged is not None:
             log.warning("run dir %s: taking over the stale lease of %s (%s)", run_dir, judged[0].describe(), judged[1])
+            me = dataclasses.replace(me, unrecorded=judged[0].unrecorded)  # they still count against the budgets
     tmp = run_dir / f".{LEASE_FILE}.{uuid.uuid4().hex}"
     tmp.write_text(_text(me))
     try:
@@ -208,6 +217,7 @@ def acquire(run_dir: Path, me: Lease, wait_s: float = 0.0) -> None:
         with contextlib.suppress(OSError):
             tmp.unlink()
     fsync_path(run_dir)
+    _keep_room(run_dir)
     holder = _read_settled(run_dir)
     if holder is None or not _same_holder(holder, me):  # a taker that judged our lease stale: never, but say so
         raise LeaseHeld(f"run dir {run_dir} was taken over by {holder.describe() if holder else 'another job'}")
@@ -249,13 +259,63 @@ def release(run_dir: Path, me: Lease) -> None:
     A lease is never released otherwise: a job's lease goes stale with its job."""
     current = read(run_dir)
     if current is not None and _same_holder(current, me):
-        with contextlib.suppress(FileNotFoundError):
-            (run_dir / LEASE_FILE).unlink()
+        for name in (LEASE_FILE, _SPARE):
+            with contextlib.suppress(FileNotFoundError):
+                (run_dir / name).unlink()
 
 
 def replace(run_dir: Path, lease: Lease) -> None:
-    """Rewrite our own lease (the submit side, once sbatch has given the job id)."""
-    write_text_atomic(run_dir / LEASE_FILE, _text(lease))
+    """Rewrite our own lease (the submit side, once sbatch has given the job id), keeping its unrecorded attempts."""
+    current = read(run_dir)
+    write_text_atomic(run_dir / LEASE_FILE, _text(dataclasses.replace(lease, unrecorded=current.unrecorded)
+                                                  if current is not None else lease))
+    _keep_room(run_dir)
+
+
+#: Room kept beside the lease for its rewrite on a full disk: a page (the unit tmpfs and most disks allocate).
+_SPARE = f".{LEASE_FILE}.spare"
+_ROOM = 4096
+
+
+def _keep_room(run_dir: Path) -> None:
+    """Allocate the spare lease's room now, while the disk has it (best effort: without it, a full
+    disk leaves unrecorded attempts in memory only)."""
+    with contextlib.suppress(OSError), os.fdopen(open_own(run_dir / _SPARE), "wb") as handle:
+        handle.write(b" " * _ROOM)
+
+
+def keep_unrecorded(run_dir: Path, lines: list[dict[str, Any]]) -> bool:
+    """Rewrite the run dir's lease with `lines` as its unrecorded attempts; False when there is no lease
+    or it could not be written (even into the room kept for it)."""
+    current = read(run_dir)
+    if current is None:
+        return False
+    if current.unrecorded == lines:
+        return True
+    text = _text(dataclasses.replace(current, unrecorded=lines))
+    try:
+        write_text_atomic(run_dir / LEASE_FILE, text)
+        return True
+    except OSError:
+        pass  # a full disk: the room kept for this takes it, and the rename frees the old lease's
+    data = text.encode()
+    if len(data) > _ROOM:
+        return False
+    spare = run_dir / _SPARE
+    try:
+        fd = open_own(spare, truncate=False)  # truncating would give the kept room back to the full disk
+        try:
+            os.pwrite(fd, data, 0)
+            os.ftruncate(fd, len(data))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(spare, run_dir / LEASE_FILE)
+        fsync_path(run_dir)
+    except OSError:
+        return False
+    _keep_room(run_dir)
+    return True
 
 
 def _text(lease: Lease) -> str:

@@ -9,8 +9,10 @@ ignored), so no reader indexes a raw dict by a string of its own. Submissions ar
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import math
+import sys
 import types
 import typing
 from dataclasses import dataclass, field
@@ -225,6 +227,18 @@ def write_result(run_dir: Path, values: dict[str, Any]) -> Result:
         raise ValueError(f"not a result: {sorted(values)}")
     result.write(run_dir)
     return result
+
+
+def write_result_or_say(run_dir: Path, values: dict[str, Any]) -> None:
+    """`write_result`, once the attempt's `completed` line is recorded: a full disk is said in one line on
+    stderr, not a traceback, and the run ends as it would have (what is not a full disk still raises)."""
+    try:
+        write_result(run_dir, values)
+    except OSError as err:
+        if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        print(f"gpujobs: the run completed, but its result could not be written to {run_dir / RESULT_FILE}: "
+              f"{err.strerror}", file=sys.stderr, flush=True)
 
 
 def read_result(run_dir: Path) -> Optional[Result]:

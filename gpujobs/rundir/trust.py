@@ -20,7 +20,7 @@ import os
 import pwd
 import stat
 from pathlib import Path
-from typing import Optional
+from typing import BinaryIO, Optional
 
 from gpujobs.errors import ConfigError, GpujobsError
 
@@ -88,10 +88,16 @@ def own_dir(parent: Path, *names: str, mode: int = 0o755) -> Path:
         path = path / name
         with contextlib.suppress(FileExistsError):
             os.mkdir(path, mode)
-        found = _problem(os.lstat(path))
-        if found is not None:
-            raise Untrusted(f"{path} is {found}: the job does not write in it (remove it, if it is no run's)")
+        check_own_dir(path, "write in")
     return path
+
+
+def check_own_dir(path: Path, doing: str = "read") -> None:
+    """Untrusted when `path` is a symlink, not a directory, another user's or open to others (an lstat:
+    a link is never followed); `doing`: what the job would do with it, as the error says."""
+    found = _problem(os.lstat(path))
+    if found is not None:
+        raise Untrusted(f"{path} is {found}: the job does not {doing} it (remove it, if it is no run's)")
 
 
 def _open(path: Path, flags: int, mode: int = 0o644) -> int:
@@ -114,12 +120,13 @@ def _own_file(fd: int, path: Path) -> int:
     return fd
 
 
-def open_own(path: Path, mode: int = 0o644) -> int:
+def open_own(path: Path, mode: int = 0o644, truncate: bool = True) -> int:
     """A descriptor to write `path` from its start, made when missing; a symlink there is not followed
     (O_NOFOLLOW), and a file that is not the user's alone is left as it is (Untrusted): truncated only
-    once checked."""
+    once checked (and only if `truncate`)."""
     fd = _own_file(_open(path, os.O_WRONLY | os.O_CREAT, mode), Path(path))
-    os.ftruncate(fd, 0)
+    if truncate:
+        os.ftruncate(fd, 0)
     return fd
 
 
@@ -146,11 +153,18 @@ def move_own(path: Path, dest: Path) -> None:
         raise Untrusted(f"{path} was replaced while it was moved to {dest}: not kept")
 
 
-def read_own(path: Path) -> str:
-    """`path`'s text, read without following a symlink (Untrusted) and only from a regular file (a planted
-    FIFO would block the reader)."""
+def open_read(path: Path) -> BinaryIO:
+    """`path` opened for reading without following a symlink (Untrusted) and only if it is a regular file
+    (a planted FIFO would block the reader)."""
     fd = _open(path, os.O_RDONLY | os.O_NONBLOCK)
-    with os.fdopen(fd, "rb") as handle:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise Untrusted(f"{path} is no regular file: not read")
+    handle = os.fdopen(fd, "rb")
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        handle.close()
+        raise Untrusted(f"{path} is no regular file: not read")
+    return handle
+
+
+def read_own(path: Path) -> str:
+    """`path`'s text, read through `open_read`."""
+    with open_read(path) as handle:
         return handle.read().decode(errors="replace")
