@@ -60,10 +60,13 @@ def _problem(info: os.stat_result) -> Optional[str]:
 
 def check_dir(key: str, path: Path) -> None:
     """Refuse (ConfigError on `key`) a directory that is not trusted; the path itself may be a symlink
-    (to a directory of the user's), which is resolved now. An absent path passes: it is made later."""
+    (to a directory of the user's), which is resolved now. An absent path, or one where no directory can be
+    (a file), passes: it is made later, or found unmakeable there."""
     try:
         info = os.stat(path)
     except FileNotFoundError:
+        return
+    if not stat.S_ISDIR(info.st_mode):  # no directory can be made there: where it is made says so, in its words
         return
     found = _problem(info)
     if found is not None:
