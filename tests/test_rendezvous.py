@@ -65,7 +65,11 @@ def test_rendezvous_ports_lie_outside_this_machines_ephemeral_range() -> None:
     # the retry port is no job's first choice (12763 consecutive ids give every first port there is):
     # a rank 0 that retries takes no other job's port
     assert not set(seconds) & {jobenv.port_for_job(str(job_id)) for job_id in range(12_763)}
-    assert all(port not in ephemeral for port in (jobenv.free_port() for _ in range(20)))
+    locals_ = {jobenv.free_port() for _ in range(20)}
+    assert not [port for port in locals_ if port in ephemeral]
+    # a local job's port is no Slurm job's, first or second: a local test beside a Slurm job on one node (or a
+    # local job on a Slurm node) cannot take the port the Slurm job's rank 0 is about to listen on
+    assert not locals_ & (set(firsts) | set(seconds) | {jobenv.port_for_job(str(job_id)) for job_id in range(12_763)})
 
 
 def test_a_job_id_that_is_no_slurm_id_is_refused() -> None:

@@ -30,6 +30,9 @@ _SECOND_BASE, _SECOND_RANGE = 61000, 4523  # 61000-65522
 # the tasks of arrays whose ids are close together stay apart: 10 consecutive ids with up to 878 tasks
 # each, or 100 with up to 107 tasks each, never share a first port (tests/test_rendezvous.py counts them).
 _ARRAY_STRIDE = 2377
+# A local job's port (`free_port`): a range of its own, below the Slurm ranges and the ephemeral range, so a
+# local job on a node never takes the port a Slurm job there derives, nor a Slurm job the local job's.
+_LOCAL_BASE, _LOCAL_RANGE = 10000, 10000  # 10000-19999
 EPHEMERAL_PORTS_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 
 
@@ -88,16 +91,17 @@ def ephemeral_ports() -> range:
 
 
 def free_port() -> int:
-    """A port nobody listens on right now, from the first rendezvous range: outside the ephemeral range, a
-    connection going out cannot take it before the rank that was handed it listens on it."""
-    for port in random.sample(range(_FIRST_BASE, _FIRST_BASE + _FIRST_RANGE), 64):
+    """A port nobody listens on right now, for a local job's ranks, from the local range: outside the ephemeral
+    range, a connection going out cannot take it before the rank that was handed it listens on it, and outside
+    the Slurm ranges, no Slurm job on this node derives it."""
+    for port in random.sample(range(_LOCAL_BASE, _LOCAL_BASE + _LOCAL_RANGE), 64):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             try:
                 sock.bind(("127.0.0.1", port))
             except OSError:
                 continue
             return port
-    raise OSError(f"no free port among 64 tried in {_FIRST_BASE}-{_FIRST_BASE + _FIRST_RANGE - 1}")
+    raise OSError(f"no free port among 64 tried in {_LOCAL_BASE}-{_LOCAL_BASE + _LOCAL_RANGE - 1}")
 
 
 def node_name() -> str:
