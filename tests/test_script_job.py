@@ -106,7 +106,9 @@ def test_a_stop_that_comes_after_rank_0_is_done_is_recorded_by_the_launcher(run_
     job = RunningJob(run_dir, "cluster=local", "resources.procs_per_node=2", f"+script.path={STOPPABLE}",
                      "+script.args=[200,2]", "cluster.max_restarts=0")
     deadline = time.monotonic() + 60
-    while not (run_dir / "exits_rank0.txt").exists():
+    # rank 1's script counts too: its rank process has its USR2 handler (a rank still starting, under load,
+    # would die of the signal as any process without one does)
+    while not ((run_dir / "exits_rank0.txt").exists() and (run_dir / "progress_rank1.json").exists()):
         assert time.monotonic() < deadline, job.output()
         time.sleep(0.05)
     job.signal_rank(1, signal.SIGUSR2)
