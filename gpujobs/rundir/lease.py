@@ -34,7 +34,7 @@ from typing import Any, Optional
 from gpujobs.atomic import fsync_path, write_text_atomic
 from gpujobs.errors import GpujobsError
 from gpujobs.rundir import LEASE_FILE
-from gpujobs.rundir.process import boot_id, process_start, started_at
+from gpujobs.rundir.process import alive, boot_id, process_start, started_at
 from gpujobs.rundir.trust import open_own
 
 log = logging.getLogger(__name__)
@@ -100,15 +100,6 @@ def _parse(path: Path) -> Optional[Lease]:
         return None
 
 
-def _pid_alive(pid: int) -> bool:
-    # `kill -0` succeeds on zombies (PID 1 may reap late): read the state instead
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")
-
-
 def slurm_state(job_id: str, timeout_s: float = 20.0) -> Optional[str]:
     """The job's state as `squeue` says, "" when Slurm no longer knows it, None when Slurm cannot be asked."""
     try:
@@ -132,7 +123,7 @@ def live(lease: Lease) -> tuple[bool, str]:
         return state in LIVE_STATES, state or "gone from squeue"
     if lease.host != socket.gethostname():
         return True, f"a process on {lease.host}, which this host cannot check"
-    if not _pid_alive(lease.pid):
+    if not alive(lease.pid):
         return False, "its launcher is gone"
     if lease.boot_id is not None and lease.boot_id != boot_id():
         return False, f"{lease.host} has booted since: pid {lease.pid} is another process now"
