@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from gpujobs.run.checkpoint import CheckpointManager
+from gpujobs.rank.checkpoint import CheckpointManager
 
 
 def state_of(megabytes: int, device: str = "cpu") -> dict[str, Any]:

@@ -27,15 +27,15 @@ import torch.distributed as dist
 from bench_trainer import job_config
 from torch.nn.parallel import DistributedDataParallel
 
-from gpujobs.config import JobConfig
-from gpujobs.run.checkpoint import CheckpointManager
-from gpujobs.run.distributed import FORCE_GROUP_ENV, destroy_process_group, init_process_group
-from gpujobs.run.entry import load_task_builder
-from gpujobs.run.jobenv import DistInfo, free_port
-from gpujobs.run.metrics import MetricsLog
-from gpujobs.run.precision import autocast_dtype
-from gpujobs.run.rng import seed_everything
-from gpujobs.run.trainer import Trainer
+from gpujobs.backends.jobenv import DistInfo, free_port
+from gpujobs.config.load import JobConfig
+from gpujobs.rank.checkpoint import CheckpointManager
+from gpujobs.rank.distributed import FORCE_GROUP_ENV, destroy_process_group, init_process_group
+from gpujobs.rank.metrics import MetricsLog
+from gpujobs.rank.precision import autocast_dtype
+from gpujobs.rank.rng import seed_everything
+from gpujobs.rank.train import load_task_builder
+from gpujobs.rank.trainer import Trainer
 
 INFO = DistInfo(0, 0, 1, 1, "127.0.0.1", 29500, "bench")
 

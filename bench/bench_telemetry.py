@@ -24,12 +24,12 @@ import torch
 import torch.distributed as dist
 from bench_trainer import WORLD, job_config, join_as_rank, spawn_rate
 
-from gpujobs.config import JobConfig
-from gpujobs.run.checkpoint import CheckpointManager
-from gpujobs.run.distributed import gather_ranks
-from gpujobs.run.metrics import MetricsLog
-from gpujobs.run.telemetry import Telemetry
-from gpujobs.run.trainer import Trainer
+from gpujobs.config.load import JobConfig
+from gpujobs.rank.checkpoint import CheckpointManager
+from gpujobs.rank.distributed import gather_ranks
+from gpujobs.rank.metrics import MetricsLog
+from gpujobs.rank.observe.telemetry import Telemetry
+from gpujobs.rank.trainer import Trainer
 
 
 def _rank(rank: int, on: bool, job: JobConfig, port: int, out: Any) -> None:

@@ -12,7 +12,7 @@ machine is shared and noisy: only ratios mean anything). Then the data pipeline 
 `train_batch` calls) is timed against the trainer's per-rank rate.
 
 With a `logger=...` override the trainer side also runs rank 0's experiment trackers as a job does
-(`gpujobs.run.trackers`, fed by the trainer's `on_step`), really writing: TensorBoard event files and an
+(`gpujobs.rank.observe.trackers`, fed by the trainer's `on_step`), really writing: TensorBoard event files and an
 MLflow sqlite store in the round's temporary run dir. The minimal loop logs nothing, so the ratio then
 includes the trackers' cost.
 """
@@ -37,16 +37,16 @@ import torch.multiprocessing as mp
 from hydra import compose, initialize_config_dir
 from torch.nn.parallel import DistributedDataParallel
 
-from gpujobs.config import JobConfig, load_config
-from gpujobs.run.checkpoint import CheckpointManager
-from gpujobs.run.distributed import init_process_group
-from gpujobs.run.entry import load_task_builder
-from gpujobs.run.heartbeat import Heartbeat, interval_for
-from gpujobs.run.jobenv import DistInfo
-from gpujobs.run.metrics import MetricsLog
-from gpujobs.run.rng import seed_everything
-from gpujobs.run.trackers import open_trackers
-from gpujobs.run.trainer import Trainer
+from gpujobs.backends.jobenv import DistInfo
+from gpujobs.config.load import JobConfig, load_config
+from gpujobs.rank.checkpoint import CheckpointManager
+from gpujobs.rank.distributed import init_process_group
+from gpujobs.rank.metrics import MetricsLog
+from gpujobs.rank.observe.trackers import open_trackers
+from gpujobs.rank.rng import seed_everything
+from gpujobs.rank.train import load_task_builder
+from gpujobs.rank.trainer import Trainer
+from gpujobs.rundir.heartbeat import Heartbeat, interval_for
 
 REPO = Path(__file__).resolve().parent.parent
 WORLD = 2

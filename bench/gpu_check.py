@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpujobs.nccl import GLOO_ON_CUDA_ENV
+from gpujobs.config.nccl import GLOO_ON_CUDA_ENV
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))  # the operator's handle on a running job, shared with the tests
@@ -360,12 +360,12 @@ def uuid_visible_devices(m: Machine) -> str:
     """With CUDA_DEVICE_ORDER=PCI_BUS_ID torch's cuda:i is NVML's i-th GPU, by uuid; a local run with
     CUDA_VISIBLE_DEVICES naming the last GPU by its uuid (on 2+ GPUs no rank's cuda:0 is NVML's 0) trains
     there, and its rank, health check and gpu.jsonl name that uuid."""
-    from gpujobs.nvml import CUDA_ORDER_ENV, nvml_session, visible_gpus
+    from gpujobs.base.nvml import CUDA_ORDER_ENV, nvml_session, visible_gpus
 
     with nvml_session() as nv:
         nvml = [(g.index, g.uuid) for g in visible_gpus(nv)]
     order = subprocess.run(
-        [sys.executable, "-c", "import torch; from gpujobs.nvml import rank_gpu_uuid as u; "
+        [sys.executable, "-c", "import torch; from gpujobs.base.nvml import rank_gpu_uuid as u; "
          "print(*[u(str(torch.cuda.get_device_properties(i).uuid)) for i in range(torch.cuda.device_count())])"],
         capture_output=True, text=True, check=False, env={**os.environ, **CUDA_ORDER_ENV})
     need(order.stdout.split() == [uuid for _, uuid in nvml],
@@ -462,8 +462,8 @@ CHECKS = (
 
 def this_machine(work: Path, overrides: tuple[str, ...]) -> Machine:
     """How many GPUs the checks may use: NVML's count, where torch has CUDA too."""
-    from gpujobs.launch.gpus import local_gpu_count
-    from gpujobs.nvml import NvmlUnavailable, nvml_session, visible_gpus
+    from gpujobs.backends.local.gpus import local_gpu_count
+    from gpujobs.base.nvml import NvmlUnavailable, nvml_session, visible_gpus
 
     gpus = local_gpu_count()
     if gpus == 0:

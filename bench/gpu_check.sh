@@ -11,5 +11,5 @@ fail() { echo "gpu_check: $1" >&2; exit "${2:-1}"; }
 # The environment's interpreter: $PYTHON if set, else `python`, else `python3` (GPU images often have only that).
 py=${PYTHON:-$(command -v python || command -v python3 || true)}
 [ -n "$py" ] || fail "no python or python3 on PATH" 2
-"$py" -c 'import gpujobs.config, pynvml' 2>/dev/null || fail "gpujobs is not importable: activate the project's environment (README)" 2
+"$py" -c 'import gpujobs.config.load, pynvml' 2>/dev/null || fail "gpujobs is not importable: activate the project's environment (README)" 2
 exec "$py" bench/gpu_check.py "$@"

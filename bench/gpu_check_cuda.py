@@ -23,19 +23,19 @@ import torch.distributed as dist
 from bench_trainer import job_config
 from gpu_check import CheckFailed, need
 
-from gpujobs.config import JobConfig
-from gpujobs.run.checkpoint import CheckpointManager
-from gpujobs.run.entry import load_task_builder
-from gpujobs.run.jobenv import DistInfo
-from gpujobs.run.metrics import MetricsLog
-from gpujobs.run.trainer import Trainer
+from gpujobs.backends.jobenv import DistInfo
+from gpujobs.config.load import JobConfig
+from gpujobs.rank.checkpoint import CheckpointManager
+from gpujobs.rank.metrics import MetricsLog
+from gpujobs.rank.train import load_task_builder
+from gpujobs.rank.trainer import Trainer
 from jobs.rec.task import RecTask
 
 
 def nvml_health() -> str:
     """NVML's checks (ECC, retired pages, row remaps, temperature, throttling) on every GPU: the run's
     health check at start would stop on what they find."""
-    from gpujobs.nvml import gpu_faults, nvml_session, read_gpu, visible_gpus
+    from gpujobs.base.nvml import gpu_faults, nvml_session, read_gpu, visible_gpus
 
     with nvml_session() as nv:
         gpus = visible_gpus(nv)
@@ -53,10 +53,10 @@ def flight_recorder() -> str:
     """The hang watchdog's request for PyTorch's NCCL flight recorder gets a dump: the watchdog writes a
     request file in the run dir, the rank's heartbeat thread relays it into torch's pipe in the rank's
     private node-local dir (TORCH_NCCL_DEBUG_INFO_PIPE_FILE), no pipe lies in the run dir, and the private
-    dir is gone once the rank closes (gpujobs/run/heartbeat.py, gpujobs/run/evidence.py)."""
-    from gpujobs.run import evidence
-    from gpujobs.run.distributed import torch_nccl_env
-    from gpujobs.run.heartbeat import Heartbeat, heartbeat_path
+    dir is gone once the rank closes (gpujobs/rundir/heartbeat.py, gpujobs/attempt/evidence.py)."""
+    from gpujobs.attempt import evidence
+    from gpujobs.rank.distributed import torch_nccl_env
+    from gpujobs.rundir.heartbeat import Heartbeat, heartbeat_path
 
     run = Path(tempfile.mkdtemp()) / "run"
     run.mkdir(mode=0o700)
@@ -99,8 +99,8 @@ def cuda_paths() -> str:
     the state into GPU memory; a rank's CUDA stream is saved alone and restored where fewer GPUs are seen;
     amp=auto trains bf16 from compute capability 8.0, fp32 before; batches are gathered into pinned memory
     and copied without blocking (the host time to queue them is printed)."""
-    from gpujobs.run.precision import autocast_dtype
-    from gpujobs.run.rng import rng_state, seed_everything, set_rng_state
+    from gpujobs.rank.precision import autocast_dtype
+    from gpujobs.rank.rng import rng_state, seed_everything, set_rng_state
 
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
@@ -181,7 +181,7 @@ def compute_clock() -> str:
     """The straggler signal on CUDA: the compute clock leaves out what the GPU still had queued (the wait in
     the last all-reduce) where the host clock over a blocking copy holds it, and the slow-GPU emulation
     slows by the rank's own compute."""
-    from gpujobs.run.compute_clock import ComputeClock
+    from gpujobs.rank.compute_clock import ComputeClock
 
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)

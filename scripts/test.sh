@@ -10,6 +10,7 @@ cd "$(dirname "$0")/.."
 
 echo "== ruff"; ruff check gpujobs jobs hydra_plugins tests bench scripts
 echo "== mypy"; mypy
+echo "== import-linter"; lint-imports --no-cache
 # the bench scripts too (not a package): the GPU ones run only where a GPU is lent, a typo costs that time
 mypy bench
 

@@ -58,7 +58,7 @@ import sys
 from pathlib import Path
 
 import gpujobs
-from gpujobs.resources import config_dir, template_dir
+from gpujobs.config.packaged import config_dir, template_dir
 
 venv = Path(sys.argv[1]).resolve()
 package = Path(gpujobs.__file__).resolve().parent
@@ -102,7 +102,7 @@ echo "== wheel: dry run (cluster=slurm)"
 "$py" -m gpujobs.submit +experiment=rec cluster=slurm cluster.dry_run=true hydra.run.dir="$work/cwd/dry" >dry.txt \
   || fail "the dry run exited $?: $(cat dry.txt)"
 # The queued script must start the installed package with the venv's interpreter.
-grep -q -- "$py -u -m gpujobs.run.start" dry.txt || fail "the dry run did not render the job: $(cat dry.txt)"
+grep -q -- "$py -u -m gpujobs.rank.srun" dry.txt || fail "the dry run did not render the job: $(cat dry.txt)"
 
 echo "== wheel: sweep dry run (-m: the gpujobs launcher and sweeper from the installed hydra_plugins)"
 "$py" -m gpujobs.submit -m +experiment=rec cluster=slurm cluster.dry_run=true trainer.seed=1,2 \

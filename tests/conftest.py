@@ -18,7 +18,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from jobctl import RunningJob
 
-from gpujobs.config import JobConfig, load_config
+from gpujobs.config.load import JobConfig, load_config
 
 REPO = Path(__file__).resolve().parent.parent
 CONF = REPO / "conf"

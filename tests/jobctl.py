@@ -102,7 +102,7 @@ class RunningJob:
 
     def kill(self) -> None:
         """End the submitter and everything it started, and cancel the Slurm jobs it queued."""
-        from gpujobs.run.evidence import descendants, kill_tree
+        from gpujobs.attempt.evidence import descendants, kill_tree
 
         if self.proc.poll() is None:
             kill_tree([*descendants(self.proc.pid), self.proc.pid])
@@ -123,14 +123,14 @@ def attempts(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def slurm_rank_pids(job_id: str) -> dict[int, int]:
-    """rank → pid of the job's ranks (`python -m gpujobs.run.start`; this cluster's nodes are this machine)."""
+    """rank → pid of the job's ranks (`python -m gpujobs.rank.srun`; this cluster's nodes are this machine)."""
     ranks = {}
     for proc in Path("/proc").glob("[0-9]*"):
         try:
             args = (proc / "cmdline").read_bytes().split(b"\0")
-            # a rank runs `python -u -m gpujobs.run.start`; the supervisor names it only after its own module
+            # a rank runs `python -u -m gpujobs.rank.srun`; the supervisor names it only after its own module
             module = args[args.index(b"-m") + 1] if b"-m" in args else b""
-            if not (Path(args[0].decode()).name.startswith("python") and module == b"gpujobs.run.start"):
+            if not (Path(args[0].decode()).name.startswith("python") and module == b"gpujobs.rank.srun"):
                 continue
             environ = dict(item.split(b"=", 1) for item in (proc / "environ").read_bytes().split(b"\0") if b"=" in item)
         except (OSError, IndexError, UnicodeDecodeError):

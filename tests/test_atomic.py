@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from test_faults import fill, small_disk
 
-from gpujobs.atomic import append_jsonl, write_text_atomic
-from gpujobs.errors import GpujobsError
-from gpujobs.run.metrics import MetricsLog
+from gpujobs.base.atomic import append_jsonl, write_text_atomic
+from gpujobs.base.errors import GpujobsError
+from gpujobs.rank.metrics import MetricsLog
 from gpujobs.rundir.files import record_submission
 
 

@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from gpujobs.config import TrainerConfig
-from gpujobs.run.balance import BalanceError, Balancer, SplitPlan, counts_from_shares
+from gpujobs.config.load import TrainerConfig
+from gpujobs.rank.balance import BalanceError, Balancer, SplitPlan, counts_from_shares
 
 
 def _cfg(**changes: object) -> TrainerConfig:

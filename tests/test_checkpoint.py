@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from gpujobs.run.checkpoint import CheckpointManager, CheckpointNotSaved
+from gpujobs.rank.checkpoint import CheckpointManager, CheckpointNotSaved
 from gpujobs.rundir import MARKER
 
 

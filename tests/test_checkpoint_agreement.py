@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from gpujobs.run.checkpoint import CheckpointManager, CheckpointNotSaved
+from gpujobs.rank.checkpoint import CheckpointManager, CheckpointNotSaved
 
 WORLD = 2
 

@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 from test_checkpoint_agreement import assert_all_fell_back_to_step_1, damage_rank_1_and_resume
 from test_faults import small_disk
 
-from gpujobs.run.checkpoint import CheckpointManager, CheckpointNotSaved
+from gpujobs.rank.checkpoint import CheckpointManager, CheckpointNotSaved
 from gpujobs.rundir import MARKER
 
 WORLD = 2

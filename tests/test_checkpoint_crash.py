@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from gpujobs.run.checkpoint import CheckpointManager
+from gpujobs.rank.checkpoint import CheckpointManager
 
 #: bench/bench_checkpoint.py --crash-trials N runs this test with many more trials.
 TRIALS = int(os.environ.get("GPUJOBS_CRASH_TRIALS", "60"))

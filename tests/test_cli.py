@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from conftest import read_result
 
-from gpujobs.cli import COMMANDS
+from gpujobs.cli.main import COMMANDS
 from gpujobs.launch.status_table import shorten_keys
 
 #: The console script of this environment (pyproject.toml's [project.scripts]).
@@ -76,7 +76,7 @@ def test_help_lists_every_subcommand_in_80_columns(tmp_path: Path) -> None:
 
 
 def test_help_imports_neither_hydra_nor_torch() -> None:
-    code = ("import sys\nfrom gpujobs.cli import main\nassert main(['--help']) == 0\n"
+    code = ("import sys\nfrom gpujobs.cli.main import main\nassert main(['--help']) == 0\n"
             "print(sorted(m for m in ('torch', 'hydra', 'omegaconf', 'rich') if m in sys.modules))\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr

@@ -6,7 +6,7 @@ for CUDA only (`cuda:gloo`) has exactly NCCL's device coverage and fails the sam
 `cpu:gloo,cuda:gloo` is the device-aware group gpujobs builds on GPUs (`cpu:gloo,cuda:nccl`) with
 gloo standing in for NCCL. All groups here are real 2-rank gloo groups in spawned processes.
 
-1. Statically: no module of gpujobs/ or jobs/ but `gpujobs/run/collectives.py` calls a collective.
+1. Statically: no module of gpujobs/ or jobs/ but `gpujobs/rank/collectives.py` calls a collective.
 2. The helpers on both groups: on `cuda:gloo` each one places its tensor on CUDA (here: fails for want
    of CUDA, never with NCCL's CPU error, which a raw CPU collective gets); on the device-aware group
    each returns the right values across the ranks, on the CPU.
@@ -35,11 +35,11 @@ import torch.multiprocessing as mp
 from conftest import REPO, compose_job
 from torch._C._distributed_c10d import ProcessGroup
 
-from gpujobs.launch.local import free_port
-from gpujobs.nccl import NcclSettings
-from gpujobs.run import collectives, distributed
-from gpujobs.run.entry import TrainJob
-from gpujobs.run.jobenv import DistInfo
+from gpujobs.attempt.local import free_port
+from gpujobs.backends.jobenv import DistInfo
+from gpujobs.config.nccl import NcclSettings
+from gpujobs.rank import collectives, distributed
+from gpujobs.rank.train import TrainJob
 
 HELPER_MODULE = REPO / "gpujobs" / "run" / "collectives.py"
 TINY = ("+experiment=rec", "+debug=tiny", "cluster=local", "resources.procs_per_node=2")
@@ -115,7 +115,7 @@ def test_only_the_helper_module_calls_collectives() -> None:
         for path in sources
         if (hits := direct_collective_calls(path.read_text()))
     }
-    assert offenders == {}, "collectives must go through gpujobs/run/collectives.py"
+    assert offenders == {}, "collectives must go through gpujobs/rank/collectives.py"
     assert direct_collective_calls(HELPER_MODULE.read_text())  # ...which does call them
 
 
@@ -170,7 +170,7 @@ class CollectiveChecker:
         if not set(devices) <= set(served):
             self.violations.append(f"{name} from {caller}: tensors on {devices}, group serves {served}")
         from_gpujobs = caller.startswith(("gpujobs/", "jobs/"))
-        if self.require_helper and from_gpujobs and not caller.startswith("gpujobs/run/collectives.py"):
+        if self.require_helper and from_gpujobs and not caller.startswith("gpujobs/rank/collectives.py"):
             self.violations.append(f"{name} called from {caller}, not through the helper module")
 
 
@@ -310,5 +310,5 @@ def test_a_real_job_sends_every_collective_to_a_device_its_group_serves(tmp_path
         assert {"all_gather", "all_reduce", "barrier", "all_gather_object", "ProcessGroup.barrier"} <= names
         assert all(call["served"] == ["cpu", "cuda"] for call in calls)  # the device-aware group
         issued = [c["caller"] for c in calls if c["caller"].startswith(("gpujobs/", "jobs/"))]
-        assert issued and all(c.startswith("gpujobs/run/collectives.py:") for c in issued)
+        assert issued and all(c.startswith("gpujobs/rank/collectives.py:") for c in issued)
         assert any(c["name"] == "all_gather" and c["devices"] == ["cpu"] for c in calls)

@@ -10,11 +10,11 @@ from conftest import CONF, REPO, compose_job
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from gpujobs import config
-from gpujobs.config import load_config, parse_time_minutes
-from gpujobs.errors import ConfigError
+from gpujobs.base.errors import ConfigError
+from gpujobs.config import load as config
+from gpujobs.config.load import load_config, parse_time_minutes
+from gpujobs.config.nccl import KNOWN_NCCL_VARS, NcclSettings
 from gpujobs.launch import resolve_cluster, resolve_cluster_name
-from gpujobs.nccl import KNOWN_NCCL_VARS, NcclSettings
 
 
 def test_rec_experiment_composes_to_two_cpu_ranks() -> None:

@@ -25,9 +25,9 @@ from jobctl import RunningJob, attempts
 from rich.console import Console
 from test_sweep import array_of, sweep, wait_final
 
-from gpujobs import cost
-from gpujobs.cost_sacct import parse_allocations, tres_counts
-from gpujobs.cost_table import COLUMNS, table
+from gpujobs.backends.slurm.sacct import parse_allocations, tres_counts
+from gpujobs.cli import cost
+from gpujobs.cli.cost_table import COLUMNS, table
 from gpujobs.rundir.files import record_submission, write_config
 
 ALL_PARTS = {*cost.PARTS, cost.UNACCOUNTED}

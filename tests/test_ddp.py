@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from conftest import read_metrics, read_result, submit
 
-from gpujobs.run import jobenv
+from gpujobs.backends import jobenv
 
 TINY = ("+experiment=rec", "+debug=tiny", "cluster=local")
 

@@ -1,6 +1,6 @@
 """Declared configuration: every bound a schema field declares is enforced, for gpujobs' and the jobs' schemas.
 
-The cases are generated from the declarations themselves (`gpujobs.validate.declared`), so a field
+The cases are generated from the declarations themselves (`gpujobs.config.validate.declared`), so a field
 added with `metadata=bounds(...)` is tested here without a new line. Each value goes through the real
 loader (`load_config` of a composed config) and must be refused in one ConfigError naming its key.
 """
@@ -17,10 +17,10 @@ from typing import Any
 import pytest
 from conftest import REPO, compose_job
 
-from gpujobs.config import load_config
-from gpujobs.errors import ConfigError
-from gpujobs.schema import PLUGINS, SECTIONS, JobConfig, ScriptConfig
-from gpujobs.validate import Bounds, allowed_text, declared
+from gpujobs.base.errors import ConfigError
+from gpujobs.config.load import load_config
+from gpujobs.config.schema import PLUGINS, SECTIONS, JobConfig, ScriptConfig
+from gpujobs.config.validate import Bounds, allowed_text, declared
 from jobs.rec.config import CriteoTSVConfig, DLRMConfig, SyntheticClicksConfig
 
 BASE = ("+experiment=rec", "cluster=slurm")

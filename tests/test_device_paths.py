@@ -17,13 +17,13 @@ import pytest
 import torch
 from conftest import compose_job
 
-from gpujobs.run.checkpoint import CheckpointManager
-from gpujobs.run.entry import load_task_builder
-from gpujobs.run.jobenv import DistInfo
-from gpujobs.run.metrics import MetricsLog
-from gpujobs.run.precision import autocast_dtype, emulated_bf16
-from gpujobs.run.rng import cuda_state_for, rng_state, set_rng_state
-from gpujobs.run.trainer import Trainer
+from gpujobs.backends.jobenv import DistInfo
+from gpujobs.rank.checkpoint import CheckpointManager
+from gpujobs.rank.metrics import MetricsLog
+from gpujobs.rank.precision import autocast_dtype, emulated_bf16
+from gpujobs.rank.rng import cuda_state_for, rng_state, set_rng_state
+from gpujobs.rank.train import load_task_builder
+from gpujobs.rank.trainer import Trainer
 from jobs.rec.data import pinned_staging
 from jobs.rec.task import RecTask
 
@@ -91,7 +91,7 @@ def test_the_cuda_stream_restored_is_the_ranks_own_from_either_format(caplog: py
     # Today's format: one stream, the rank's, restored on whatever device the rank has now
     assert cuda_state_for({"device": 3, "state": second}, torch.device("cuda", 0)) is second
     assert cuda_state_for({"device": 0, "state": first}, CPU) is None
-    with caplog.at_level(logging.WARNING, logger="gpujobs.run.rng"):
+    with caplog.at_level(logging.WARNING, logger="gpujobs.rank.rng"):
         assert cuda_state_for(saved_before, torch.device("cuda", 2)) is None
     assert "CUDA random state of 2 GPU(s), none for cuda:2" in caplog.text, caplog.text
 

@@ -1,4 +1,4 @@
-"""Which rank failed first (gpujobs.run.failures): the files the ranks leave, read as rank 0 reads them.
+"""Which rank failed first (gpujobs.attempt.failures): the files the ranks leave, read as rank 0 reads them.
 
 The live case (a script whose rank 1 raises, rank 0 failing of it) is in test_script_job.py.
 """
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from gpujobs.run import failures
-from gpujobs.run.failures import RankFailure
+from gpujobs.attempt import failures
+from gpujobs.attempt.failures import RankFailure
 
 
 @pytest.fixture(autouse=True)

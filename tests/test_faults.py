@@ -309,7 +309,7 @@ def test_a_completed_script_attempt_a_full_disk_refuses_is_said_in_two_lines(tmp
         run_dir.mkdir()
         fill(disk)
         code = ("import sys, time; from pathlib import Path; from conftest import compose_job; "
-                "from gpujobs.run.script import record_completed; "
+                "from gpujobs.rank.script import record_completed; "
                 f"job = compose_job('cluster=local', 'resources.procs_per_node=2', '+script.path={script}'); "
                 f"record_completed(Path('{run_dir}'), job, 2, time.time() - 5, 5.0, recorded_by='launcher')")
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,

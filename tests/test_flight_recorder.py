@@ -25,9 +25,9 @@ from typing import Any, Optional
 import pytest
 from conftest import missing
 
-from gpujobs.run.evidence import NCCL_TRACE_STEM, dump_flight_recorder
-from gpujobs.run.heartbeat import Heartbeat, flight_recorder_request_path, heartbeat_path, read_heartbeat
+from gpujobs.attempt.evidence import NCCL_TRACE_STEM, dump_flight_recorder
 from gpujobs.rundir import HEARTBEAT_DIR
+from gpujobs.rundir.heartbeat import Heartbeat, flight_recorder_request_path, heartbeat_path, read_heartbeat
 
 RANK = 1
 DUMP = b"\x80\x04flight recorder of rank 1"  # a pickle's first bytes: moved as bytes, never decoded
@@ -35,8 +35,8 @@ DUMP = b"\x80\x04flight recorder of rank 1"  # a pickle's first bytes: moved as 
 RANK_PROCESS = """
 import os, sys, threading, time
 from pathlib import Path
-from gpujobs.run.evidence import nccl_debug_env
-from gpujobs.run.heartbeat import Heartbeat
+from gpujobs.attempt.evidence import nccl_debug_env
+from gpujobs.rundir.heartbeat import Heartbeat
 
 run_dir, rank, dump = Path(sys.argv[1]), int(sys.argv[2]), bytes.fromhex(sys.argv[3])
 beat = Heartbeat(run_dir, rank, "node-a", 0.1).start()
@@ -67,8 +67,8 @@ beat.close()
 WATCHDOG_PROCESS = """
 import json, os, sys
 from pathlib import Path
-from gpujobs.run.evidence import dump_flight_recorder
-from gpujobs.run.heartbeat import heartbeat_path, read_heartbeat
+from gpujobs.attempt.evidence import dump_flight_recorder
+from gpujobs.rundir.heartbeat import heartbeat_path, read_heartbeat
 
 run_dir, out, rank, pipe = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 beats = {rank: read_heartbeat(heartbeat_path(run_dir, rank))}

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from conftest import compose_job
 
-from gpujobs.errors import ConfigError
-from gpujobs.launch.local import check_local_resources
-from gpujobs.nccl import GLOO_ON_CUDA_ENV
+from gpujobs.attempt.local import check_local_resources
+from gpujobs.base.errors import ConfigError
+from gpujobs.config.nccl import GLOO_ON_CUDA_ENV
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 from gpu_check import NO_GPU, Check, Machine, need, run_checks

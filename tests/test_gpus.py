@@ -15,13 +15,13 @@ import pytest
 from conftest import compose_job, submit
 from fake_nvml import FakeGpu, fake_nvml_env, install
 
-from gpujobs.atomic import read_jsonl
-from gpujobs.errors import ConfigError
-from gpujobs.launch.gpus import choose_local_gpus, local_gpu_count
-from gpujobs.nvml import rank_gpu_uuid
-from gpujobs.run.distributed import gpu_index_for, one_gpu_per_rank
-from gpujobs.run.gpu_sampler import GpuSampler
-from gpujobs.run.jobenv import DistInfo
+from gpujobs.backends.jobenv import DistInfo
+from gpujobs.backends.local.gpus import choose_local_gpus, local_gpu_count
+from gpujobs.base.atomic import read_jsonl
+from gpujobs.base.errors import ConfigError
+from gpujobs.base.nvml import rank_gpu_uuid
+from gpujobs.rank.distributed import gpu_index_for, one_gpu_per_rank
+from gpujobs.rank.observe.gpu_sampler import GpuSampler
 
 SCRIPT = Path(__file__).parent / "scripts" / "torchrun_style.py"
 

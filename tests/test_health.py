@@ -19,10 +19,10 @@ from conftest import compose_job, read_metrics, read_result, submit
 from fake_nvml import FakeGpu, fake_nvml_env, install
 from jobctl import attempts
 
-from gpujobs.nvml import gpu_faults, nvml_session
-from gpujobs.progress import ProgressView, describe
-from gpujobs.run.health import Finding, check, decide, health_record
-from gpujobs.run.jobenv import DistInfo, node_name
+from gpujobs.backends.jobenv import DistInfo, node_name
+from gpujobs.base.nvml import gpu_faults, nvml_session
+from gpujobs.rank.health import Finding, check, decide, health_record
+from gpujobs.rundir.progress import ProgressView, describe
 from gpujobs.rundir.records import HealthRecord, metrics_record
 
 TINY = ("+experiment=rec", "+debug=tiny", "cluster=local", "cluster.health_check=true", "trainer.progress=false")

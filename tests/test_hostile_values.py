@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 from conftest import compose_job, submit
 
-from gpujobs.errors import ConfigError
+from gpujobs.backends.slurm.sbatch import render_sbatch, sbatch_request
+from gpujobs.base.errors import ConfigError
 from gpujobs.launch import check_paths
-from gpujobs.launch.sbatch import render_sbatch, sbatch_request
 
 DRY_RUN = ("+experiment=rec", "cluster=slurm", "cluster.dry_run=true")
 #: Everything a shell would act on, which validation still accepts in a run dir (even for Slurm).

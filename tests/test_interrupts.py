@@ -2,7 +2,7 @@
 
 Ctrl-C, SIGTERM (a `kill`, systemd) and SIGHUP (a closed terminal) to the launcher kill the local job and
 record its attempt as `cancelled`; the same command resumes. A launcher killed outright (SIGKILL) cannot
-record anything, but its ranks end within a second of it (`gpujobs.run.orphan`), rank 0 recording the
+record anything, but its ranks end within a second of it (`gpujobs.attempt.orphan`), rank 0 recording the
 attempt as `interrupted` first: the next submission of the run dir, which takes over the dead launcher's
 lease, never trains beside them, and the ledger keeps every attempt.
 """
@@ -18,7 +18,7 @@ import pytest
 from conftest import SLOW, read_result, submit
 from jobctl import RunningJob, attempts
 
-from gpujobs.run.evidence import alive, descendants
+from gpujobs.attempt.evidence import alive, descendants
 
 STOPPABLE = Path(__file__).parent / "scripts" / "stoppable.py"
 

@@ -18,8 +18,8 @@ import pytest
 from conftest import SLOW, read_result, sacct_state, slurm_job_id, submit
 from jobctl import RunningJob, attempts
 
+from gpujobs.base.process import boot_id, process_start
 from gpujobs.rundir import lease
-from gpujobs.rundir.process import boot_id, process_start
 
 
 def test_a_second_local_submission_is_refused_and_the_first_completes(tmp_path: Path, straight_digest: str) -> None:

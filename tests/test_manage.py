@@ -19,11 +19,11 @@ from conftest import SLOW, compose_job, read_result, submit
 from jobctl import RunningJob
 from test_sweep import TINY, array_of, gpujobs, job_ids, sweep, wait_final, wait_gone
 
-from gpujobs.atomic import read_jsonl
-from gpujobs.errors import GpujobsError
+from gpujobs.base.atomic import read_jsonl
+from gpujobs.base.errors import GpujobsError
 from gpujobs.launch.follow import MetricsFollower
 from gpujobs.launch.manage import parse_sacct, sacct_state_of
-from gpujobs.run.metrics import MetricsLog
+from gpujobs.rank.metrics import MetricsLog
 from gpujobs.rundir.attempts import AttemptLog
 from gpujobs.rundir.files import read_submissions, record_cancel, record_submission, write_config
 from gpujobs.rundir.records import Result, read_metrics

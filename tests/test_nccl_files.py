@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from conftest import compose_job, submit
 
-from gpujobs.launch.sbatch import job_command, render_sbatch, sbatch_request
-from gpujobs.nccl import OUTPUT_FILE_VARS, NcclSettings
+from gpujobs.backends.slurm.sbatch import job_command, render_sbatch, sbatch_request
+from gpujobs.config.nccl import OUTPUT_FILE_VARS, NcclSettings
 
 DRY_RUN = ("+experiment=rec", "cluster=slurm", "cluster.dry_run=true")
 TINY = ("+experiment=rec", "+debug=tiny", "cluster=local", "trainer.max_steps=3", "trainer.eval_every=0")

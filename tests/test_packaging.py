@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 
-from gpujobs.resources import config_dir, template_dir
+from gpujobs.config.packaged import config_dir, template_dir
 
 OWN_PACKAGES = {"gpujobs", "jobs", "hydra_plugins"}
 #: Extras that only developers install: code under OWN_PACKAGES may not rely on them.
@@ -90,7 +90,7 @@ def test_a_checkout_reads_the_repository_dirs(monkeypatch: pytest.MonkeyPatch) -
 def test_the_sbatch_template_override_is_what_renders(tmp_path: Path) -> None:
     (tmp_path / "job.sbatch.j2").write_text("#!/bin/sh\n# team template\n{{ command }}\n")
     code = (
-        "from gpujobs.launch.sbatch import SbatchRequest, render_sbatch\n"
+        "from gpujobs.backends.slurm.sbatch import SbatchRequest, render_sbatch\n"
         "print(render_sbatch(SbatchRequest((), (), 'o', 'e', 'run-the-job', 60)), end='')\n"
     )
     env = {**os.environ, "GPUJOBS_SBATCH_TEMPLATES": str(tmp_path)}

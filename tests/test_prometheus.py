@@ -34,10 +34,10 @@ import yaml
 from conftest import REPO, compose_job, missing, read_metrics, submit
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpujobs.errors import ConfigError
-from gpujobs.run.jobenv import DistInfo
-from gpujobs.run.prometheus import FileSdTarget, PrometheusExporter
-from gpujobs.run.telemetry import Telemetry
+from gpujobs.backends.jobenv import DistInfo
+from gpujobs.base.errors import ConfigError
+from gpujobs.rank.observe.prometheus import FileSdTarget, PrometheusExporter
+from gpujobs.rank.observe.telemetry import Telemetry
 from gpujobs.rundir import GPU_FILE, PROMETHEUS_FILE
 
 MONITORING = REPO / "monitoring"
@@ -393,7 +393,7 @@ def test_a_planted_symlink_is_replaced_not_followed_and_a_stranger_file_is_left(
     stranger = tmp_path / "stranger.json"
     stranger.write_text("[]\n")
     os.replace(stranger, target.path)
-    with caplog.at_level(logging.WARNING, logger="gpujobs.run.prometheus"):
+    with caplog.at_level(logging.WARNING, logger="gpujobs.rank.observe.prometheus"):
         target.remove()
     assert target.path.read_text() == "[]\n"
     assert any("replaced by someone else" in r.getMessage() for r in caplog.records)
@@ -403,7 +403,7 @@ def test_a_planted_symlink_is_replaced_not_followed_and_a_stranger_file_is_left(
 SQUATTED = """
 import json, logging, sys
 from pathlib import Path
-from gpujobs.run.prometheus import FileSdTarget
+from gpujobs.rank.observe.prometheus import FileSdTarget
 logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
 target = FileSdTarget(Path(sys.argv[1]), "rec", Path(sys.argv[2]))
 ok = target.write("n1:9100", {"job": "rec"})
@@ -441,7 +441,7 @@ def test_a_vanished_sd_dir_is_logged_and_the_endpoint_serves_on(
 ) -> None:
     sd_dir = tmp_path / "sd"  # never made: it was removed after submit
     exporter = PrometheusExporter("rec", [])
-    with caplog.at_level(logging.WARNING, logger="gpujobs.run.prometheus"):
+    with caplog.at_level(logging.WARNING, logger="gpujobs.rank.observe.prometheus"):
         url = exporter.start(0, "127.0.0.1", tmp_path, sd_dir, {"node": "n1"})
     try:
         exporter.observe({"kind": "train", "step": 3, "loss": 0.5, "samples_per_s": 10.0})

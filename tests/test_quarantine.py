@@ -23,9 +23,9 @@ from fake_nvml import FakeGpu, fake_nvml_env
 from jobctl import attempts
 from rich.console import Console
 
+from gpujobs.backends.slurm.quarantine import plan
 from gpujobs.launch.manage import PointState
 from gpujobs.launch.status_table import attempts_text, status_table
-from gpujobs.run.quarantine import plan
 from gpujobs.rundir.attempts import AttemptLog
 
 TINY = ("+experiment=rec", "+debug=tiny", "cluster=slurm", "cluster.health_check=true", "cluster.health_probe_mb=1")

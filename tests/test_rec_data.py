@@ -14,7 +14,7 @@ import pytest
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from gpujobs.errors import ConfigError
+from gpujobs.base.errors import ConfigError
 from jobs.rec.config import CriteoTSVConfig, DLRMConfig, SyntheticClicksConfig
 from jobs.rec.criteo import CriteoFormatError, read_criteo_tsv
 from jobs.rec.data import FeatureSpec, RecBatch, RecData

@@ -27,8 +27,9 @@ import torch.multiprocessing as mp
 from conftest import SLOW, missing, read_result, sacct_state, slurm_job_id, submit
 from jobctl import RunningJob
 
-from gpujobs.nccl import NcclSettings
-from gpujobs.run import distributed, jobenv
+from gpujobs.backends import jobenv
+from gpujobs.config.nccl import NcclSettings
+from gpujobs.rank import distributed
 
 
 def _array_ids(first: int, arrays: int, tasks: int) -> list[str]:

@@ -14,8 +14,8 @@ import pytest
 from conftest import REPO, submit
 from fake_nvml import FakeGpu, install
 
-from gpujobs.report import plan_history
-from gpujobs.run.gpu_sampler import GpuSampler
+from gpujobs.cli.report import plan_history
+from gpujobs.rank.observe.gpu_sampler import GpuSampler
 from gpujobs.rundir.records import CheckpointRecord, PlanRecord, TrainRecord, read_metrics
 
 TINY = ("+experiment=rec", "+debug=tiny", "cluster=local")

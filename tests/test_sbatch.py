@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from conftest import assert_golden, compose_job
 
+from gpujobs.backends.slurm.sbatch import render_sbatch, sbatch_request
 from gpujobs.launch import check_paths
-from gpujobs.launch.sbatch import render_sbatch, sbatch_request
 
 COMMAND = "/venv/bin/python -u -m submitit.core._submit /runs/rec/submitit"
 
@@ -60,7 +60,7 @@ def test_the_most_hostile_accepted_job_matches_the_golden_file() -> None:
     job = compose_job(*HOSTILE)
     check_paths(job, HOSTILE_RUN_DIR)  # accepted: this is what validation lets through to sbatch
     folder = HOSTILE_RUN_DIR / job.cluster.folder
-    command = " ".join(shlex.quote(arg) for arg in ("/venv/bin/python", "-u", "-m", "gpujobs.run.start",
+    command = " ".join(shlex.quote(arg) for arg in ("/venv/bin/python", "-u", "-m", "gpujobs.rank.srun",
                                                      "--folder", str(folder), str(HOSTILE_RUN_DIR)))
     text = render_sbatch(sbatch_request(job, folder, command))
     assert_golden(text, "hostile_accepted.sbatch")

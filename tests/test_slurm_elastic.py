@@ -20,8 +20,8 @@ from jobctl import RunningJob, attempts
 from test_manage import rows
 from test_sweep import gpujobs
 
-from gpujobs.launch.sbatch import sbatch_request
-from gpujobs.run.preemption import reopen_node_range
+from gpujobs.attempt.preemption import reopen_node_range
+from gpujobs.backends.slurm.sbatch import sbatch_request
 
 pytestmark = pytest.mark.slurm
 
@@ -62,7 +62,7 @@ def test_a_task_takes_its_place_from_the_allocation(tmp_path: Path, slurm: dict[
     """`--nodes=1-2 --ntasks-per-node=2` where one node may be used: each task of the step sees a world of
     2 on 1 node, whatever RANK/WORLD_SIZE the submitting shell exported (sbatch passes them on)."""
     out = tmp_path / "probe.out"
-    probe = ("import dataclasses, json; from gpujobs.run.jobenv import detect; "
+    probe = ("import dataclasses, json; from gpujobs.backends.jobenv import detect; "
              "print(json.dumps(dataclasses.asdict(detect())))")
     script = tmp_path / "probe.sbatch"
     script.write_text(
@@ -118,7 +118,8 @@ def test_a_requeued_job_comes_back_on_the_one_node_left(
     out = tmp_path / "job.out"
     # the batch step says the world size it sees, as the supervisor reads it (one rank per node: Slurm
     # sets no SLURM_NTASKS there), then every task its node
-    world = f"{shlex.quote(sys.executable)} -c 'from gpujobs.run.jobenv import allocated_world_size as w; print(w())'"
+    world = (f"{shlex.quote(sys.executable)} -c "
+             "'from gpujobs.backends.jobenv import allocated_world_size as w; print(w())'")
     wrap = f'echo "start $SLURM_JOB_NUM_NODES $({world})"; srun printenv SLURMD_NODENAME; sleep 120'
     job_id = _slurm("sbatch", "--parsable", *flags, "--requeue", "--open-mode=append", f"--output={out}", "--wrap",
                     wrap, env=slurm)

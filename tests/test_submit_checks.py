@@ -21,10 +21,10 @@ from conftest import CONF, compose_job, submit
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from gpujobs.config import JobConfig, load_config, override_keys
-from gpujobs.errors import ConfigError
-from gpujobs.schema import KEY_ALIASES, SECTIONS
-from gpujobs.schema_trackers import TRACKERS
+from gpujobs.base.errors import ConfigError
+from gpujobs.config.load import JobConfig, load_config, override_keys
+from gpujobs.config.schema import KEY_ALIASES, SECTIONS
+from gpujobs.config.trackers import TRACKERS
 from jobs.rec.config import CriteoTSVConfig
 
 TINY = ("+experiment=rec", "+debug=tiny", "cluster=local")  # 2 ranks, data.num_train=4096, batch_size=64

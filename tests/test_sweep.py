@@ -18,9 +18,9 @@ import pytest
 from conftest import REPO, assert_golden, compose_job, read_result, sacct_state, submit
 from omegaconf import OmegaConf
 
-from gpujobs.errors import ConfigError
+from gpujobs.backends.slurm.sbatch import render_sbatch, sbatch_request
+from gpujobs.base.errors import ConfigError
 from gpujobs.launch.manage import parse_sacct
-from gpujobs.launch.sbatch import render_sbatch, sbatch_request
 from gpujobs.launch.sweep import Point, SweepPlan, array_spec, chunks, header_groups
 from gpujobs.rundir.files import config_yaml, read_submissions
 
@@ -89,7 +89,7 @@ def test_array_script_matches_the_golden_file() -> None:
         "cluster.array_parallelism=2", "resources.procs_per_node=1", "nccl=ethernet",
     )
     folder = Path("/runs/rec/sweep/submitit")
-    command = "/venv/bin/python -u -m gpujobs.run.start --folder /runs/rec/sweep/submitit --points /runs/p.txt"
+    command = "/venv/bin/python -u -m gpujobs.rank.srun --folder /runs/rec/sweep/submitit --points /runs/p.txt"
     text = render_sbatch(sbatch_request(job, folder, command, array=array_spec(6, 2)))
     assert_golden(text, "rec_array_6x2.sbatch")
 
@@ -250,7 +250,7 @@ def test_a_slurm_sweep_on_one_fixed_prometheus_port_is_refused_and_leaves_nothin
 def test_dry_run_prints_the_script_and_writes_nothing(tmp_path: Path, slurm: dict[str, str]) -> None:
     single = submit(tmp_path / "run", *TINY, "cluster.dry_run=true", env=slurm)
     assert single.returncode == 0, single.stderr
-    assert single.stdout.startswith("#!/bin/bash\n") and "gpujobs.run.start" in single.stdout
+    assert single.stdout.startswith("#!/bin/bash\n") and "gpujobs.rank.srun" in single.stdout
     assert "--array" not in single.stdout
     swept = sweep(tmp_path / "sweep", *TINY, "cluster.dry_run=true", "cluster.array_parallelism=1",
                   "optim.lr=1e-3,3e-3", env=slurm)

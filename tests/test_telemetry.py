@@ -23,9 +23,9 @@ import pytest
 from conftest import compose_job, read_metrics, submit
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpujobs.errors import ConfigError
-from gpujobs.run.prometheus import PrometheusExporter
-from gpujobs.run.straggler import Peer, StragglerCheck, imbalance
+from gpujobs.base.errors import ConfigError
+from gpujobs.rank.observe.prometheus import PrometheusExporter
+from gpujobs.rank.observe.straggler import Peer, StragglerCheck, imbalance
 from gpujobs.rundir import PROMETHEUS_FILE
 
 TINY = ("+experiment=rec", "+debug=tiny", "cluster=local")
@@ -149,7 +149,7 @@ def test_prometheus_listens_on_loopback_by_default(slow_run: SlowRun) -> None:
 
 def test_listening_on_every_interface_is_logged(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     exporter = PrometheusExporter("rec", [])
-    with caplog.at_level(logging.WARNING, logger="gpujobs.run.prometheus"):
+    with caplog.at_level(logging.WARNING, logger="gpujobs.rank.observe.prometheus"):
         url = exporter.start(0, "0.0.0.0", tmp_path)
     try:
         info = json.loads((tmp_path / PROMETHEUS_FILE).read_text())

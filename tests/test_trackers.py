@@ -27,11 +27,11 @@ from conftest import REPO, SLOW, compose_job, read_metrics, slurm_job_id, submit
 from fake_nvml import FakeGpu, fake_nvml_env
 from jobctl import RunningJob, attempts
 
-from gpujobs.config import MlflowConfig, TensorBoardConfig, load_config
-from gpujobs.errors import ConfigError
+from gpujobs.base.errors import ConfigError
+from gpujobs.config.load import MlflowConfig, TensorBoardConfig, load_config
+from gpujobs.config.validate import declared
 from gpujobs.rundir.files import read_config, write_config
 from gpujobs.rundir.trackers import read_state
-from gpujobs.validate import declared
 
 try:
     import mlflow.tracking as mlflow_tracking
@@ -233,8 +233,8 @@ def _train(step: int) -> dict[str, Any]:
 def _attempt(job: Any, run_dir: Path, steps: range, *, reach_trackers: int, status: str) -> None:
     """One attempt as the trainer runs it: every record to metrics.jsonl, then to the trackers, up to
     `reach_trackers` (what a kill left in their queue never reaches them)."""
-    from gpujobs.run.metrics import MetricsLog
-    from gpujobs.run.trackers import open_trackers
+    from gpujobs.rank.metrics import MetricsLog
+    from gpujobs.rank.observe.trackers import open_trackers
 
     metrics = MetricsLog(run_dir / "metrics.jsonl")
     with contextlib.closing(metrics):
@@ -320,7 +320,7 @@ import sys
 sys.path.insert(0, {str(REPO / "tests")!r})
 from pathlib import Path
 from conftest import compose_job
-from gpujobs.run.trackers.sweep import SweepPoint, SweepRuns
+from gpujobs.rank.observe.trackers.sweep import SweepPoint, SweepRuns
 sweep = Path({str(sweep_dir)!r})
 points = [SweepPoint(num, ["+experiment=rec", "logger=mlflow", f"optim.lr={{lr}}"],
                      compose_job("+experiment=rec", "logger=mlflow", {uri!r}, f"optim.lr={{lr}}"), sweep / str(num))

@@ -16,16 +16,16 @@ from pathlib import Path
 import pytest
 from conftest import REPO, compose_job, missing, submit
 
-from gpujobs.errors import ConfigError
-from gpujobs.nccl import NcclSettings
-from gpujobs.run import failures
-from gpujobs.run.failures import RankFailure
-from gpujobs.run.hangs import Watchdog
-from gpujobs.run.heartbeat import Heartbeat
-from gpujobs.run.prometheus import FileSdTarget, withdraw_left_target
-from gpujobs.run.start import parse_args, run_dir_of
-from gpujobs.run.watchdog import Hang
+from gpujobs.attempt import failures
+from gpujobs.attempt.failures import RankFailure
+from gpujobs.attempt.hangs import Watchdog
+from gpujobs.attempt.watchdog import Hang
+from gpujobs.base.errors import ConfigError
+from gpujobs.config.nccl import NcclSettings
+from gpujobs.rank.observe.prometheus import FileSdTarget, withdraw_left_target
+from gpujobs.rank.srun import parse_args, run_dir_of
 from gpujobs.rundir import PROMETHEUS_FILE
+from gpujobs.rundir.heartbeat import Heartbeat
 from gpujobs.rundir.trust import Untrusted, check_dir
 
 NOBODY = 65534

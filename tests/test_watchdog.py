@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from gpujobs.run.heartbeat import Heartbeat, heartbeat_path, instance, read_heartbeat
-from gpujobs.run.watchdog import Hang, HangWatch, blame_by_stacks, in_collective
+from gpujobs.attempt.watchdog import Hang, HangWatch, blame_by_stacks, in_collective
+from gpujobs.rundir.heartbeat import Heartbeat, heartbeat_path, instance, read_heartbeat
 
 TIMEOUT_S, SLOW_S = 10.0, 60.0
 
@@ -166,14 +166,14 @@ def test_a_rank_still_running_after_a_peer_ended_gets_its_phases_limit(tmp_path:
 
 PY_SPY_IN_COLLECTIVE = '''Thread 10 (idle): "MainThread"
     all_reduce (torch/distributed/distributed_c10d.py:2801)
-    any_true (gpujobs/run/collectives.py:60)
-    Trainer.fit (gpujobs/run/trainer.py:290)
+    any_true (gpujobs/rank/collectives.py:60)
+    Trainer.fit (gpujobs/rank/trainer.py:290)
 Thread 11 (idle): "gpujobs-heartbeat"
     Event.wait (threading.py:629)
 '''
 PY_SPY_IN_DATA = '''Thread 12 (active): "MainThread"
     RecData.train_rows (jobs/rec/data.py:120)
-    Trainer.train_step (gpujobs/run/trainer.py:225)
+    Trainer.train_step (gpujobs/rank/trainer.py:225)
 Thread 13 (idle): "gpujobs-heartbeat"
     Event.wait (threading.py:629)
 '''
@@ -183,7 +183,7 @@ FAULTHANDLER_IN_DATA = '''Thread 0x00007f (most recent call first):
 
 Current thread 0x00007e (most recent call first):
   File "jobs/rec/data.py", line 120 in train_rows
-  File "gpujobs/run/trainer.py", line 225 in train_step
+  File "gpujobs/rank/trainer.py", line 225 in train_step
 '''
 
 

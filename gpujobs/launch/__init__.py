@@ -8,11 +8,11 @@ import shutil
 from pathlib import Path
 from typing import Any, Optional
 
-from gpujobs.config import JobConfig
-from gpujobs.errors import ConfigError, SubmitError
+from gpujobs.base.errors import ConfigError, SubmitError
+from gpujobs.config.load import JobConfig
+from gpujobs.config.validate import check_slurm_path
 from gpujobs.rundir import CONFIG_FILE
 from gpujobs.rundir.files import write_config
-from gpujobs.validate import check_slurm_path
 
 
 def resolve_cluster_name(name: str) -> str:
@@ -51,12 +51,12 @@ def check_paths(job: JobConfig, run_dir: Path, sweep_dir: Optional[Path] = None)
 
 def _preflight_cluster(job: JobConfig, cache: Optional[dict[Any, Any]]) -> None:
     if job.cluster.name == "local":
-        from gpujobs.launch.gpus import local_gpu_count
-        from gpujobs.launch.local import check_local_resources
+        from gpujobs.attempt.local import check_local_resources
+        from gpujobs.backends.local.gpus import local_gpu_count
 
         check_local_resources(job, local_gpu_count())
     elif job.cluster.name == "slurm":
-        from gpujobs.launch.preflight import preflight_slurm
+        from gpujobs.backends.slurm.preflight import preflight_slurm
 
         preflight_slurm(job, cache)
 
@@ -123,7 +123,7 @@ def launch(job: JobConfig, run_dir: Path) -> int:
     preflight(job)
     check_start(job, run_dir)
     if job.cluster.dry_run:
-        from gpujobs.launch.slurm import single_executor
+        from gpujobs.backends.slurm.executor import single_executor
         from gpujobs.rundir.files import discard_if_empty
 
         print(single_executor(job, run_dir).script(), end="")
@@ -149,15 +149,15 @@ def start(job: JobConfig, run_dir: Path) -> int:
     had_config = (run_dir / CONFIG_FILE).exists()
     write_config(run_dir, job)
     if job.cluster.name == "debug":
-        from gpujobs.launch.debug import run_debug
+        from gpujobs.backends.debug.executor import run_debug
 
         return run_debug(job, run_dir)
     try:
         if job.cluster.name == "slurm":
-            from gpujobs.launch.slurm import run_slurm
+            from gpujobs.backends.slurm.executor import run_slurm
 
             return run_slurm(job, run_dir)
-        from gpujobs.launch.local import run_local
+        from gpujobs.attempt.local import run_local
 
         return run_local(job, run_dir)
     except (SubmitError, ConfigError):

@@ -8,11 +8,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Optional
 
-from gpujobs.atomic import JsonlTail
-from gpujobs.config import JobConfig
-from gpujobs.progress import ProgressView
+from gpujobs.base.atomic import JsonlTail
+from gpujobs.config.load import JobConfig
 from gpujobs.rundir import METRICS_FILE, RESULT_FILE
 from gpujobs.rundir.lease import LIVE_STATES, slurm_state
+from gpujobs.rundir.progress import ProgressView
 from gpujobs.rundir.records import read_attempts, read_result
 
 _POLL_S = 0.25

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
-from gpujobs.errors import GpujobsError
+from gpujobs.base.errors import GpujobsError
 from gpujobs.rundir import CONFIG_FILE, lease
 from gpujobs.rundir.attempts import AttemptLog
 from gpujobs.rundir.files import read_config, read_submissions, record_cancel
@@ -302,7 +302,7 @@ def resubmit(sweep_dir: Path, points: list[PointState], *, cancelled: bool = Fal
     if chosen and chosen[0].num is None:  # a single run dir: one job again, as it was
         (point,) = plan.points
         if slurm:
-            from gpujobs.launch.slurm import submit_slurm
+            from gpujobs.backends.slurm.executor import submit_slurm
 
             sjob = submit_slurm(point.job, point.run_dir)
             print(f"gpujobs: submitted Slurm job {sjob.job_id}; run dir {point.run_dir}", flush=True)

@@ -22,7 +22,7 @@ Each point keeps Hydra's sweep layout (`hydra.sweep.dir/hydra.sweep.subdir`) wit
 `submit.sbatch` (that point alone, for a hand resubmission) and `slurm_jobs.jsonl` (its job ids). The
 array's own script, task logs and list of run dirs live in `SWEEP_DIR/submitit/`; `sweep.json` lists
 the points for `python -m gpujobs status|logs|cancel|resubmit`. Array task `i` runs line `i` of the
-list (`gpujobs.run.start --points`), building its payload from that run dir's config.yaml.
+list (`gpujobs.rank.srun --points`), building its payload from that run dir's config.yaml.
 
 Slurm sweeps return once queued unless a point sets `cluster.wait=true`; then the launcher follows every
 point and reports each as completed or failed (exit code 1 if any failed). `cluster.dry_run=true`
@@ -41,9 +41,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from gpujobs.atomic import fsync_batch, write_json_atomic, write_text_atomic
-from gpujobs.config import JobConfig
-from gpujobs.errors import ConfigError, GpujobsError, SubmitError
+from gpujobs.base.atomic import fsync_batch, write_json_atomic, write_text_atomic
+from gpujobs.base.errors import ConfigError, GpujobsError, SubmitError
+from gpujobs.config.load import JobConfig
 from gpujobs.launch import check_start, preflight
 from gpujobs.rundir import CONFIG_FILE, SBATCH_FILE
 from gpujobs.rundir.files import discard_if_empty, write_config
@@ -188,7 +188,7 @@ def chunks(points: list[Point], limit: int) -> list[list[Point]]:
 
 def header_groups(points: list[Point], folder: Path) -> list[list[Point]]:
     """Points that can share one array: the same sbatch header (flags and environment), in sweep order."""
-    from gpujobs.launch.sbatch import sbatch_request
+    from gpujobs.backends.slurm.sbatch import sbatch_request
 
     groups: dict[Any, list[Point]] = {}
     for point in points:
@@ -262,8 +262,8 @@ def _shape(value: Any) -> str:
 
 def array_executor(points: list[Point], folder: Path) -> tuple[Any, Path]:
     """The executor of one array over `points`, and the list file its tasks read their run dir from."""
-    from gpujobs.launch.sbatch import job_command
-    from gpujobs.launch.slurm import GpujobsSlurmExecutor
+    from gpujobs.backends.slurm.executor import GpujobsSlurmExecutor
+    from gpujobs.backends.slurm.sbatch import job_command
 
     job = points[0].job
     # Named by its content: a dry run prints the name the real submission uses, and a later array
@@ -277,7 +277,7 @@ def array_executor(points: list[Point], folder: Path) -> tuple[Any, Path]:
 
 def submit_arrays(points: list[Point], folder: Path, *, dry_run: bool = False) -> list[Outcome]:
     """Queue `points` as few job arrays as the headers and MaxArraySize allow; one sbatch per array."""
-    from gpujobs.launch.preflight import max_array_size
+    from gpujobs.backends.slurm.preflight import max_array_size
 
     limit = max_array_size()  # one `scontrol show config` for the whole sweep
     arrays = [chunk for group in header_groups(points, folder) for chunk in chunks(group, limit)]
@@ -307,7 +307,7 @@ class ArrayRefused(SubmitError):
 
 def _queue_array(points: list[Point], folder: Path) -> list[Outcome]:
     """Write the points' run dirs, queue them as one array, record each point's job id."""
-    from gpujobs.launch.slurm import keep_script
+    from gpujobs.backends.slurm.executor import keep_script
     from gpujobs.rundir.files import record_submission
 
     executor, points_file = array_executor(points, folder)
@@ -356,10 +356,11 @@ def wait_for(outcomes: list[Outcome]) -> None:
 
 def run_plan(plan: SweepPlan) -> list[Outcome]:
     """Carry out a validated plan: Slurm points as job arrays, the others here, one after another. Points
-    with `logger=mlflow` first get the sweep's parent run and a child run each (`gpujobs.run.trackers.sweep`)."""
+    with `logger=mlflow` first get the sweep's parent run and a child run each
+    (`gpujobs.rank.observe.trackers.sweep`)."""
     if any(p.job.cluster.dry_run for p in plan.points) or not any(p.job.logger.mlflow for p in plan.points):
         return _carry_out(plan)
-    from gpujobs.run.trackers.sweep import SweepPoint, SweepRuns
+    from gpujobs.rank.observe.trackers.sweep import SweepPoint, SweepRuns
 
     runs = SweepRuns.open(plan.sweep_dir, [SweepPoint(p.num, p.overrides, p.job, p.run_dir) for p in plan.points])
     try:

@@ -4,7 +4,7 @@ A run dir is shared by every attempt of its job (requeues, restarts, a hand-run 
 `submit.sbatch`). Every file name is defined here, once::
 
     config.yaml        the resolved, validated config (`files.write_config` / `files.read_config`)
-    checkpoints/       step_<N>/ with a COMPLETE marker written last (gpujobs.run.checkpoint)
+    checkpoints/       step_<N>/ with a COMPLETE marker written last (gpujobs.rank.checkpoint)
     attempts.jsonl     one line per attempt (`attempts.AttemptLog`)
     result.json        the completed run's result
     metrics.jsonl      rank 0's metrics, one line per log step
@@ -29,7 +29,7 @@ is written through a link). The job side imports these, never `gpujobs.launch`.
 
 from __future__ import annotations
 
-from gpujobs.atomic import read_jsonl
+from gpujobs.base.atomic import read_jsonl
 
 CONFIG_FILE = "config.yaml"
 CHECKPOINT_DIR = "checkpoints"

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpujobs.atomic import append_jsonl, write_text_atomic
-from gpujobs.config import ClusterConfig
-from gpujobs.errors import GpujobsError
+from gpujobs.base.atomic import append_jsonl, write_text_atomic
+from gpujobs.base.errors import GpujobsError
+from gpujobs.config.load import ClusterConfig
 from gpujobs.rundir import ATTEMPTS_FILE, lease
 from gpujobs.rundir.records import Attempt, read_attempts
 

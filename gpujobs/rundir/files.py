@@ -15,9 +15,9 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf._utils import get_omega_conf_dumper
 from omegaconf.errors import OmegaConfBaseException
 
-from gpujobs.atomic import FsyncBatch, append_jsonl, read_jsonl, write_text_atomic
-from gpujobs.config import JobConfig, load_config
-from gpujobs.errors import ConfigError, GpujobsError
+from gpujobs.base.atomic import FsyncBatch, append_jsonl, read_jsonl, write_text_atomic
+from gpujobs.base.errors import ConfigError, GpujobsError
+from gpujobs.config.load import JobConfig, load_config
 from gpujobs.rundir import CONFIG_FILE, SUBMISSIONS_FILE
 
 

@@ -31,10 +31,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from gpujobs.atomic import fsync_path, write_text_atomic
-from gpujobs.errors import GpujobsError
+from gpujobs.base.atomic import fsync_path, write_text_atomic
+from gpujobs.base.errors import GpujobsError
+from gpujobs.base.process import alive, boot_id, process_start, started_at
 from gpujobs.rundir import LEASE_FILE
-from gpujobs.rundir.process import alive, boot_id, process_start, started_at
 from gpujobs.rundir.trust import open_own
 
 log = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from gpujobs.atomic import read_jsonl, write_json_atomic
+from gpujobs.base.atomic import read_jsonl, write_json_atomic
 from gpujobs.rundir import ATTEMPTS_FILE, METRICS_FILE, RESULT_FILE
 
 #: Why an attempt ended. `hung`: the watchdog found no progress and killed it; `unhealthy`: the health
@@ -117,7 +117,7 @@ class Attempt:
     culprit_rank: Optional[int] = None
     """hung: the rank the watchdog blames (its stack was not in a collective, or its progress stopped
     first); unhealthy: the rank that found the fault; failed: the rank whose error came first, where
-    it was not rank 0's own (`gpujobs.run.failures`)."""
+    it was not rank 0's own (`gpujobs.attempt.failures`)."""
     node: Optional[str] = None
     """The node a hang, a crash or a failed health check is attributed to."""
     excluded: list[str] = field(default_factory=list)

@@ -17,8 +17,8 @@ import logging
 from pathlib import Path
 from typing import Any, Optional
 
-from gpujobs.config import JobConfig
-from gpujobs.errors import GpujobsError
+from gpujobs.base.errors import GpujobsError
+from gpujobs.config.load import JobConfig
 from gpujobs.rundir import CHECKPOINT_DIR, MARKER, STEP_PREFIX
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from gpujobs.atomic import write_json_atomic
+from gpujobs.base.atomic import write_json_atomic
 from gpujobs.rundir import TRACKER_FILE
 
 log = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ import stat
 from pathlib import Path
 from typing import BinaryIO, Optional
 
-from gpujobs.errors import ConfigError, GpujobsError
+from gpujobs.base.errors import ConfigError, GpujobsError
 
 #: What a trusted directory is, as the errors say it.
 ALLOWED = "a directory of this user's that no one else may write, unless sticky (chmod go-w, or chmod +t like /tmp)"

@@ -97,7 +97,7 @@ class GpujobsLauncher(Launcher):
         self, count: int, first_num: int, run_points: Callable[[], list[JobReturn]], how: str = ""
     ) -> Sequence[JobReturn]:
         """Run the points' tasks with a plan active (`run_points`), then carry out the plan they made."""
-        from gpujobs.errors import GpujobsError, SubmitError
+        from gpujobs.base.errors import GpujobsError, SubmitError
         from gpujobs.launch.sweep import collecting, run_plan, summary  # lazily: plugin discovery stays fast
         from gpujobs.rundir.trust import check_dir
 

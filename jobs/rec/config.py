@@ -3,7 +3,7 @@
 The submit side imports this module to validate a config before anything is queued, so it must stay
 torch-free: every `build` method imports its implementation lazily. Each field declares its bounds
 (`metadata=bounds(...)`), which gpujobs' one validator enforces as it does for gpujobs' own schemas
-(`gpujobs.validate.Checked`). Keys in the errors raised here are field names ("embedding_dim"); the
+(`gpujobs.config.validate.Checked`). Keys in the errors raised here are field names ("embedding_dim"); the
 caller places them under "model." or "data.". The data schemas' `check_job` relates them to the rest of
 the job (the ranks, `trainer.grad_accum`) and names full keys ("data.batch_size"): gpujobs' `JobConfig`
 calls it, so the global batch is checked at submit, not first inside the ranks.
@@ -14,11 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
-from gpujobs.errors import ConfigError
-from gpujobs.validate import Checked, bounds
+from gpujobs.base.errors import ConfigError
+from gpujobs.config.validate import Checked, bounds
 
 if TYPE_CHECKING:
-    from gpujobs.schema import JobConfig
+    from gpujobs.config.schema import JobConfig
     from jobs.rec.data import FeatureSpec, RecData
     from jobs.rec.model import DLRM
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from gpujobs.errors import GpujobsError
+from gpujobs.base.errors import GpujobsError
 from jobs.rec.data import FeatureSpec, RecBatch
 
 NUM_INTEGER = 13

@@ -12,8 +12,8 @@ from typing import NamedTuple
 
 import torch
 
-from gpujobs.errors import ConfigError
-from gpujobs.run.rng import derive_seed
+from gpujobs.base.errors import ConfigError
+from gpujobs.rank.rng import derive_seed
 
 __all__ = [
     "GENERATOR_STREAM", "SHUFFLE_STREAM", "FeatureSpec", "RecBatch", "RecData", "derive_seed", "pinned_staging",

@@ -12,7 +12,7 @@ import types
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
-# NVML's bits of nvmlDeviceGetCurrentClocksEventReasons (gpujobs.nvml.THROTTLE_REASONS, plus gpu_idle)
+# NVML's bits of nvmlDeviceGetCurrentClocksEventReasons (gpujobs.base.nvml.THROTTLE_REASONS, plus gpu_idle)
 _THROTTLE_BITS = {
     "gpu_idle": 0x1, "applications_clocks": 0x2, "sw_power_cap": 0x4, "hw_slowdown": 0x8, "sync_boost": 0x10,
     "sw_thermal": 0x20, "hw_thermal": 0x40, "hw_power_brake": 0x80, "display_clocks": 0x100,
@@ -41,7 +41,7 @@ class FakeGpu:
     remap_supported: bool = False
     """False: nvmlDeviceGetRemappedRows raises NotSupported (pre-Ampere boards); the two above need it."""
     throttle: list[str] = field(default_factory=lambda: ["gpu_idle", "sw_power_cap"])
-    """Throttle reasons, by gpujobs.nvml's names."""
+    """Throttle reasons, by gpujobs.base.nvml's names."""
     mig_of: Optional[int] = None
     """A MIG slice of the GPU of this index: NVML reaches it by its uuid (MIG-fake-<i>) only, not by index
     or count. List slices after every whole GPU."""

@@ -1,0 +1,285 @@
+"""`cluster=local`: the same job as processes on this machine, through submitit's local executor.
+
+One process per GPU with NCCL where there are GPUs, else `procs_per_node` CPU processes with gloo.
+The launcher stays in the foreground, shows rank 0's progress, and restarts the job from its last
+checkpoint after a failure, up to `cluster.max_restarts` times.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING, Any, Optional
+
+from gpujobs.attempt import failures
+from gpujobs.attempt.evidence import descendants, kill_tree, process_start
+from gpujobs.attempt.hangs import HangReport, Watchdog
+from gpujobs.backends.jobenv import free_port
+from gpujobs.base.errors import ConfigError
+from gpujobs.config.load import JobConfig
+from gpujobs.config.nccl import GLOO_ON_CUDA_ENV
+from gpujobs.launch.follow import JobFollower
+from gpujobs.rank.main import FromRunDir
+from gpujobs.rank.script import record_completed
+from gpujobs.rundir.attempts import AttemptLog, Decision, RequeuePolicy
+from gpujobs.rundir.records import read_result
+
+if TYPE_CHECKING:
+    from gpujobs.backends.local.gpus import GpuLoad
+
+
+def check_local_resources(job: JobConfig, gpus_here: int) -> None:
+    """Refuse what this machine cannot give, before anything starts."""
+    res = job.resources
+    if res.nodes != 1:
+        raise ConfigError("resources.nodes", res.nodes, "1 with cluster=local (use cluster=slurm for more nodes)")
+    if res.gpus_per_node > gpus_here and not (gpus_here and os.environ.get(GLOO_ON_CUDA_ENV) == "1"):
+        listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if listed is not None:
+            hint = f"0..{gpus_here} (the GPUs CUDA_VISIBLE_DEVICES={listed!r} names here)"
+        elif gpus_here == 0:
+            hint = ("0: this machine has no NVIDIA GPU "
+                    "(use resources.gpus_per_node=0 with resources.procs_per_node=N for CPU ranks)")
+        else:
+            hint = f"0..{gpus_here} (GPUs on this machine)"
+        raise ConfigError("resources.gpus_per_node", res.gpus_per_node, hint)
+
+
+def run_local(job: JobConfig, run_dir: Path) -> int:
+    """Run the job here (resources already checked by `check_local_resources`); 0 when it completed."""
+    import submitit  # lazily: keeps `--help` and validation fast
+
+    from gpujobs.backends.local.gpus import choose_local_gpus, local_gpu_count
+
+    res = job.resources
+    gpus = choose_local_gpus(res)
+    if os.environ.get(GLOO_ON_CUDA_ENV) == "1":  # check-only: the ranks share the GPUs there are
+        gpus = gpus[:local_gpu_count()]
+    executor = submitit.LocalExecutor(folder=run_dir / job.cluster.folder)
+    executor.update_parameters(
+        nodes=1,
+        tasks_per_node=res.ranks_per_node,
+        gpus_per_node=len(gpus),
+        timeout_min=job.cluster.timeout_min,
+        signal_delay_s=job.cluster.signal_lead_s,
+    )
+    # By uuid, which names the same GPU (or MIG slice) in every process whatever CUDA's order; submitit's
+    # check takes indices only, but its local executor writes the entries into the ranks' CUDA_VISIBLE_DEVICES.
+    executor.parameters["visible_gpus"] = tuple(gpu.uuid for gpu in gpus)
+    attempts = AttemptLog(run_dir)
+    launcher = (os.getpid(), process_start(os.getpid()))
+    with JobFollower(run_dir, job) as follower, LauncherSignals() as signals:
+        sjob: Any = None  # the attempt running now (None: none started yet)
+        before, started = 0, 0.0
+        try:
+            while True:
+                before, started, sjob = len(attempts.read()), time.time(), None
+                signals.stop_asked = False  # a USR2 between attempts asked nothing of the next one
+                try:
+                    sjob = executor.submit(FromRunDir(str(run_dir), master_port=free_port(), launcher=launcher))
+                except OSError as err:  # submitit writes the attempt's files into the run dir first (a full disk)
+                    print(f"gpujobs: attempt {before + 1} could not be started in {executor.folder}: "
+                          f"{err.strerror or err}", file=sys.stderr, flush=True)
+                    return 1
+                code = _follow_attempt(job, run_dir, executor, gpus, follower, signals, attempts, sjob, before, started)
+                if code is not None:
+                    return code
+        except KeyboardInterrupt as stop:
+            if sjob is None:
+                print("gpujobs: interrupted before the local job started", flush=True)
+                return 128 + (stop.signum if isinstance(stop, Interrupted) else signal.SIGINT)
+            return _record_interrupt(job, attempts, before, sjob, started, stop)
+
+
+def _follow_attempt(job: JobConfig, run_dir: Path, executor: Any, gpus: list[GpuLoad], follower: JobFollower,
+                    signals: LauncherSignals, attempts: AttemptLog, sjob: Any, before: int,
+                    started: float) -> Optional[int]:
+    """Follow one attempt to its end and record it where its ranks did not; returns the launcher's exit
+    code, or None when the job goes again."""
+    res = job.resources
+    # submitit waits up to 15 s per rank for a result file that a slow shared filesystem may
+    # not show yet; here the disk is local, and a rank that stopped to be requeued leaves none.
+    for task in sjob._sub_jobs or [sjob]:
+        task._results_timeout_s = 0
+    print(
+        f"gpujobs: local job {sjob.job_id} (attempt {before + 1}): {res.ranks_per_node} ranks, "
+        f"{'nccl' if res.gpus_per_node else 'gloo'}{f' on GPUs {[g.index for g in gpus]}' if gpus else ''}, "
+        f"run dir {run_dir}",
+        flush=True,
+    )
+    watchdog = Watchdog.for_job(run_dir, job, res.ranks_per_node, f"local:{sjob.job_id}", before + 1,
+                                kill=functools.partial(_kill_local_job, sjob))
+
+    def tick() -> None:
+        signals.forward_stop(int(sjob.job_id), res.ranks_per_node)
+        if watchdog is not None:
+            watchdog.tick()
+
+    try:
+        error = follower.follow(sjob, tick=tick)
+    finally:  # the ranks are gone: a target rank 0 could not withdraw (killed) goes with them
+        from gpujobs.rank.observe.prometheus import withdraw_left_target
+
+        withdraw_left_target(run_dir)
+    if error is None:
+        if job.script is not None and len(attempts.read()) == before:  # its ranks left the line to us
+            record_completed(run_dir, job, res.ranks_per_node, started, time.time() - started,
+                             recorded_by="launcher")
+        follower.print_result()
+        return 0
+    if watchdog is not None and watchdog.report is not None:
+        reason, decision, error = _record_hang(job, attempts, before, watchdog.report)
+        if reason == "completed" and read_result(run_dir) is not None:  # only its end hung: the run is done
+            follower.print_result()
+            return 0
+    else:
+        reason, decision, error = _judge_attempt(job, attempts, before, error, f"local:{sjob.job_id}", started)
+    if not decision.requeue:
+        print(f"gpujobs: job ended: {reason}, {decision.why}; last error: {error}")
+        print(f"gpujobs: per-rank logs in {executor.folder}")
+        return 1
+    print(f"gpujobs: attempt {before + 1} {reason} ({decision.why}); restarting from the last checkpoint")
+    return None
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM, SIGHUP or SIGINT to the launcher: the local job goes with its launcher."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+#: What stops the launcher (a `kill`, a closed terminal, Ctrl-C), and what asks the job to stop and go again.
+_STOPS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+_STOP_AND_REQUEUE = signal.SIGUSR2
+
+
+class LauncherSignals:
+    """The launcher's signals while it follows a local job.
+
+    SIGTERM, SIGHUP and SIGINT stop it: the first raises `Interrupted` (once: the job is killed and its
+    attempt recorded, then the launcher exits 128 + that signal); any that follow are ignored, so a
+    second `kill` cannot tear the handling of the first. USR2 means what it means on Slurm: the ranks
+    get it (`forward_stop`, from the follower's poll), save an agreed checkpoint and record the attempt
+    `preempted`, and the launcher starts the next one within `cluster.max_preemptions`.
+    """
+
+    def __init__(self) -> None:
+        self.stopping: Optional[int] = None
+        self.stop_asked = False
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> LauncherSignals:
+        for signum in (*_STOPS, _STOP_AND_REQUEUE):
+            if signal.getsignal(signum) is signal.SIG_IGN:
+                continue  # ignored where we were started (`nohup`, a background job): it stays so
+            self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, handler in self._previous.items():
+            # once stopping, the launcher only exits: a late signal must not cut its last words short
+            stay = self.stopping is not None and signum in _STOPS
+            signal.signal(signum, signal.SIG_IGN if stay else handler)
+
+    def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
+        if signum == _STOP_AND_REQUEUE:
+            self.stop_asked = True  # only a flag: the follower's next poll passes it on
+            return
+        if self.stopping is None:
+            self.stopping = signum
+            raise Interrupted(signum)
+
+    def forward_stop(self, controller: int, ranks: int) -> None:
+        """Pass an asked-for stop to the processes of local job `controller` that handle USR2, as Slurm
+        signals every process of a step: its `ranks` (one still starting would die of USR2: it gets it at
+        a later poll) and a script that installed a handler of its own. The flag drops once all ranks have it."""
+        if not self.stop_asked:
+            return
+        ready = {pid: parent for pid in descendants(controller)
+                 if (parent := _parent_if_catching(pid, _STOP_AND_REQUEUE)) is not None}
+        for pid in ready:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, _STOP_AND_REQUEUE)
+        if list(ready.values()).count(controller) >= ranks:
+            self.stop_asked = False
+
+
+def _parent_if_catching(pid: int, signum: int) -> Optional[int]:
+    """The parent of process `pid` where it has a handler for `signum` (/proc/PID/status), else None."""
+    try:
+        status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+        catches = int(status["SigCgt"], 16) >> (signum - 1) & 1
+        return int(status["PPid"]) if catches else None
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def _record_interrupt(job: JobConfig, attempts: AttemptLog, before: int, sjob: Any, started: float,
+                      stop: KeyboardInterrupt) -> int:
+    """The launcher was interrupted: kill the local job, record its attempt as `cancelled` (unless its
+    rank 0 recorded it just before), and say how to go on; returns the exit code (128 + the signal)."""
+    signum = stop.signum if isinstance(stop, Interrupted) else signal.SIGINT
+    _kill_local_job(sjob)
+    name = signal.Signals(signum).name
+    if len(attempts.read()) == before:
+        attempts.record_or_say(job.cluster, "cancelled", recorded_by="launcher", start=round(started, 3),
+                               world_size=job.resources.ranks_per_node, error=f"the launcher got {name}",
+                               **job.resources.held_per_rank)
+    print(f"\ngpujobs: interrupted ({name}): local job {sjob.job_id} killed; its checkpoints stay in "
+          f"{attempts.run_dir}, "
+          "and the same command resumes from the last one", flush=True)
+    return 128 + signum
+
+
+def _kill_local_job(sjob: Any) -> None:
+    """SIGKILL every process of the local job (its controller, the ranks and anything they started)."""
+    controller = int(sjob.job_id)
+    left = kill_tree([*descendants(controller), controller])
+    if left:
+        print(f"gpujobs: processes {left} of local job {sjob.job_id} outlived SIGKILL", flush=True)
+
+
+def _record_hang(job: JobConfig, attempts: AttemptLog, before: int, report: HangReport) -> tuple[str, Decision, str]:
+    """The watchdog killed the attempt: the launcher records it as `hung` (nobody else could)."""
+    fields = report.attempt_fields()
+    if len(attempts.read()) > before:  # rank 0 recorded the attempt before the rest was killed: keep its line
+        last = attempts.read()[-1]
+        print(f"gpujobs: {fields['error']}; killed after rank 0 recorded the attempt ({last.reason}); stacks in "
+              f"{report.evidence_dir}", flush=True)
+        return last.reason, Decision(last.requeue, last.why), last.error or fields["error"]
+    recorded = attempts.record_or_say(job.cluster, "hung", recorded_by="launcher",
+                                      world_size=job.resources.ranks_per_node, **job.resources.held_per_rank, **fields)
+    print(f"gpujobs: {fields['error']}; stacks in {report.evidence_dir}", flush=True)
+    return "hung", Decision(recorded.requeue, recorded.why), fields["error"]
+
+
+def _judge_attempt(job: JobConfig, attempts: AttemptLog, before: int, error: str,
+                   attempt: str, started: float) -> tuple[str, Decision, str]:
+    """Rank 0 records each attempt it survives; if it died first, or was done before another rank
+    failed or was told to stop (a script's), the launcher records it: from what the ranks of `attempt`
+    left (`gpujobs.attempt.failures`), else as failed with submitit's error.
+
+    Returns the attempt's reason, the decision, and its error: rank 0's own words where it recorded
+    them (submitit's last line may only name a log file).
+    """
+    history = attempts.read()
+    if len(history) > before:
+        last = history[-1]
+        if attempts.unrecorded and last.requeue:  # rank 0 could not count the lines the disk did not take
+            decision = RequeuePolicy.of(job.cluster).decide(history[:-1], last.reason)
+            return last.reason, decision, last.error or error
+        return last.reason, Decision(last.requeue, last.why), last.error or error
+    ranks = job.resources.ranks_per_node  # a local job's ranks: one node's
+    reason, fields = failures.left_outcome(attempts.run_dir, ranks, attempt) or (
+        "failed", {"error": failures.silent(attempts.run_dir, ranks, attempt, error) or error})
+    recorded = attempts.record_or_say(job.cluster, reason, recorded_by="launcher", world_size=ranks,
+                                      start=round(started, 3), **job.resources.held_per_rank, **fields)
+    return reason, Decision(recorded.requeue, recorded.why), fields.get("error", error)

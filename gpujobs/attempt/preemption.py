@@ -1,0 +1,265 @@
+"""USR2 → a flag → an agreed stop at a step boundary, then requeue within the budgets.
+
+Slurm sends USR2 `signal_lead_s` seconds before the time limit (`--signal`) and at once when a
+preempting job arrives (`preempt_send_user_signal`). The handler only sets a flag: no I/O, no
+collectives, nothing that could deadlock or tear a file. At each step boundary the ranks agree with a
+one-element all-reduce (MAX), so they all stop after the same step, save one complete checkpoint
+together and exit; rank 0 records the attempt and requeues the job. No step is lost or redone.
+
+Data never comes from loader worker processes here (batches are built in the rank's own process), so
+no worker can die first or swallow the signal.
+
+A USR2 can also come while a rank is still starting (a preempting job arrives just then). The Slurm
+entry calls `catch_early` before anything slow, and the watcher adopts what it caught: until then the
+signal would go to submitit's handler, which requeues the job outside the attempt budgets, or, with no
+handler at all, kill the process. This module imports torch only when the ranks agree, so it is cheap
+to import that early.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import FrameType
+from typing import Any, Optional
+
+from gpujobs.backends.jobenv import allocated_world_size
+from gpujobs.backends.slurm import quarantine
+from gpujobs.config.load import JobConfig, ResourcesConfig
+from gpujobs.rundir.attempts import AttemptLog, RequeuePolicy
+from gpujobs.rundir.records import NODE_FAULTS, Attempt
+
+log = logging.getLogger(__name__)
+
+#: Exit status of a rank that stopped to be requeued (EX_TEMPFAIL: "try again later").
+EXIT_REQUEUED = 75
+# A USR2 this close to the time limit (beyond the signal lead) means the time limit, not preemption.
+_TIMEOUT_SLACK_S = 60
+# scontrol requeue: tries, 1 + 2 + 4 + 8 s apart
+_REQUEUE_TRIES = 5
+
+
+# signal number → when it first came, for signals caught before any watcher was installed
+_EARLY: dict[int, float] = {}
+
+
+def catch_early(signum: int = signal.SIGUSR2) -> None:
+    """First thing in a rank's process: remember a `signum` that comes before the watcher is installed."""
+    signal.signal(signum, _remember_early)
+
+
+def _remember_early(signum: int, frame: Optional[FrameType]) -> None:
+    _EARLY.setdefault(signum, time.time())
+
+
+class PreemptionWatcher:
+    """Turns USR2 into a flag that every rank agrees on at step boundaries."""
+
+    def __init__(self, signum: int = signal.SIGUSR2) -> None:
+        self.signum = signum
+        self.flagged = False
+        self.flagged_at: Optional[float] = None
+        self._previous: Any = None
+
+    def install(self) -> PreemptionWatcher:
+        """Replace the signal's handler (submitit's own, in a submitit job) with ours."""
+        self._previous = signal.signal(self.signum, self._handle)
+        early = _EARLY.pop(self.signum, None)
+        if early is not None:
+            self.flagged, self.flagged_at = True, early
+        return self
+
+    def uninstall(self) -> None:
+        """Put the previous handler back."""
+        if self._previous is not None:
+            signal.signal(self.signum, self._previous)
+            self._previous = None
+
+    def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
+        self.flagged = True  # only a flag: the loop acts at the next step boundary
+        if self.flagged_at is None:
+            self.flagged_at = time.time()
+
+    def should_stop(self) -> bool:
+        """True on every rank once any rank got the signal (a collective: call it on all ranks)."""
+        from gpujobs.rank import collectives  # imports torch: only once the ranks agree
+
+        return collectives.any_true(self.flagged)
+
+
+def classify_stop(job: JobConfig, attempt_started: float, signalled_at: Optional[float]) -> str:
+    """`timeout` when the signal came near the time limit, else `preempted`."""
+    at = signalled_at if signalled_at is not None else time.time()
+    limit_s = job.cluster.timeout_min * 60
+    return "timeout" if at - attempt_started >= limit_s - job.cluster.signal_lead_s - _TIMEOUT_SLACK_S else "preempted"
+
+
+def record_attempt(run_dir: str, job: JobConfig, reason: str, **fields: Any) -> Attempt:
+    """Rank 0 (or the supervisor): decide whether to go again, write the attempt's line (`fields`: the
+    other `Attempt` fields), and requeue on Slurm if so; returns the attempt as recorded.
+
+    The line is written before `scontrol requeue`, which ends this job instance; a requeue that still
+    fails after its retries amends that same line, so each attempt keeps exactly one. A caller that
+    does not say the attempt's world size gets the one its environment gives (on Slurm: the allocation's).
+
+    An attempt that blames a node (a reason in `NODE_FAULTS`, with `node`) and goes again on Slurm
+    excludes that node from the requeued job (`quarantine`), recorded as `excluded` (the whole list); when
+    the job would no longer fit its partition without it, the job is not requeued, and the line says why.
+    A crash the supervisor saw (a rank that died on `node`, recorded `failed` by the supervisor) excludes
+    its node too, but only where the job still fits without it: a crash is weaker evidence against a node
+    (a bug, the OOM killer), so otherwise the job goes again with the node, and the line says so.
+    """
+    job_id = slurm_job_id()
+    fields.setdefault("world_size", allocated_world_size())
+    for key, value in job.resources.held_per_rank.items():
+        fields.setdefault(key, value)
+    ledger = AttemptLog(Path(run_dir))
+    slurm_job = job_id if job.cluster.name == "slurm" else None  # local runs record the node, exclude nothing
+    exclusion: Optional[quarantine.Exclusion] = None
+    notes: list[str] = []  # said in the line's why once the requeue is done
+    node = fields.get("node")
+    goes_again = RequeuePolicy.of(job.cluster).decide(ledger.read(), reason).requeue
+    # a rank that left its own error (`culprit_rank`) lived to report it: a bug, not a crash of the node
+    crash = reason == "failed" and fields.get("recorded_by") == "supervisor" and fields.get("culprit_rank") is None
+    if slurm_job is not None and (reason in NODE_FAULTS or crash) and node and goes_again:
+        exclusion, problem = _plan_exclusion(ledger, job, slurm_job, reason, str(node))
+        if problem is not None:
+            notes.append(problem)
+        if crash and exclusion is not None and exclusion.refused is not None:
+            notes.append(f"{node} kept after the crash: {exclusion.refused.partition(': ')[2]}")
+            exclusion = None
+        if exclusion is not None and exclusion.refused is None:
+            fields.setdefault("excluded", exclusion.excluded)
+    attempt = ledger.record(job.cluster, reason, job_id=job_id, **fields)
+    log.warning("attempt %d ended: %s; %s", attempt.attempt, reason, attempt.why)
+    if attempt.requeue and exclusion is not None and exclusion.refused is not None:
+        attempt = ledger.amend_last(requeue=False, why=f"not requeued: {exclusion.refused}")
+        log.error("attempt %d: %s", attempt.attempt, attempt.why)
+        return attempt
+    if attempt.requeue and slurm_job is not None:
+        changes: dict[str, Any] = {}
+        with _sigterm_ignored():  # the requeue ends this instance: what follows it must not die of that
+            error = requeue(slurm_job)
+            if error is None and exclusion is not None:  # only now: Slurm refuses it while the job runs
+                failed = quarantine.exclude(slurm_job, exclusion.excluded)
+                if failed is not None:
+                    notes.append(f"{node} could not be excluded ({failed}): the job may run there again")
+                    changes["excluded"] = [n for n in exclusion.excluded if n != node]
+            reopened = reopen_node_range(slurm_job, job.resources) if error is None else None
+        if error is None:
+            log.warning("requeued Slurm job %s%s", slurm_job,
+                        f" without {', '.join(attempt.excluded)}" if attempt.excluded and not changes else "")
+            if reopened is not None:  # it runs again, but only once all MAX nodes are free: say so
+                notes.append(reopened)
+            if notes or changes:
+                attempt = ledger.amend_last(why="; ".join([attempt.why, *notes]), **changes)
+                log.error("attempt %d: %s", attempt.attempt, attempt.why)
+        else:
+            attempt = ledger.amend_last(requeue=False, excluded=[],
+                                        why=f"{attempt.why}, but the requeue failed: {error}")
+            log.error("attempt %d: %s", attempt.attempt, attempt.why)
+    return attempt
+
+
+def _plan_exclusion(
+    ledger: AttemptLog, job: JobConfig, job_id: str, reason: str, node: str
+) -> tuple[Optional[quarantine.Exclusion], Optional[str]]:
+    """Slurm job `job_id`'s exclusion of `node`, on top of `cluster.exclude` and what its earlier
+    attempts excluded; or, where Slurm cannot say what the partition holds, why `node` stays in."""
+    partition = os.environ.get("SLURM_JOB_PARTITION") or job.cluster.partition
+    earlier = [name for line in ledger.read() if line.job_id == job_id for name in line.excluded]
+    try:
+        configured = quarantine.expand_hostlist(job.cluster.exclude)
+        if partition is None:
+            raise quarantine.SlurmQueryError("the job's partition is not known (no SLURM_JOB_PARTITION)")
+        nodes = quarantine.partition_nodes(partition)
+    except quarantine.SlurmQueryError as err:
+        log.error("%s is not excluded: %s", node, err)
+        return None, f"{node} not excluded ({err})"
+    return quarantine.plan(node, reason, partition, nodes, [*configured, *earlier], job.resources.least_nodes), None
+
+
+def reopen_node_range(job_id: str, resources: ResourcesConfig) -> Optional[str]:
+    """An elastic job's requeued instance: give it back its `MIN-MAX` node range; None once done (or
+    for a fixed allocation, which has nothing to reopen), else what went wrong.
+
+    Slurm 22.05 pins a requeued job to the node and task counts of the allocation it just had (seen:
+    `--nodes=1-2 --ntasks-per-node=2` requeued from 2 nodes pends as NumNodes=2 NumTasks=4, reason
+    Resources, while one node is free), and refuses to change them while the job runs; right after the
+    requeue, while it completes, `scontrol update` may (and the job cannot start again before
+    cred_expire has passed, so it never starts pinned). Seen to start it again on 1 node when only one
+    is free, and on 2 when both are: with `NumTasks=MIN*ranks per node`, or, for one rank per node
+    (whose script gives no --ntasks-per-node), with the node range alone (a NumTasks would keep it at MIN).
+    """
+    if resources.least_nodes >= resources.nodes:
+        return None
+    least = resources.least_nodes
+    cmd = ["scontrol", "update", f"JobId={job_id}", f"NumNodes={least}-{resources.nodes}"]
+    if resources.ranks_per_node > 1:
+        cmd.append(f"NumTasks={least * resources.ranks_per_node}")
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return f"the node range could not be reopened ({err}): it waits for {resources.nodes} nodes"
+    if proc.returncode != 0:
+        why = (proc.stderr or proc.stdout).strip() or f"exit code {proc.returncode}"
+        return f"the node range could not be reopened ({why}): it waits for {resources.nodes} nodes"
+    log.warning("requeued Slurm job %s may start on %d to %d nodes", job_id, least, resources.nodes)
+    return None
+
+
+@contextlib.contextmanager
+def _sigterm_ignored() -> Iterator[None]:
+    """SIGTERM ignored here and in the children started meanwhile (an ignored disposition survives exec).
+
+    After `scontrol requeue`, Slurm ends this job instance: SIGTERM to every process of its steps at
+    once, SIGKILL KillWait seconds later. The batch step's supervisor would die of it at once, and an
+    `scontrol` child of any process too, before the node range is reopened. A SIGTERM that comes
+    meanwhile is dropped: it can only mean "end now", which the caller does right after; SIGKILL still
+    follows. Only the main thread may change a handler: elsewhere nothing changes.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+
+
+def requeue(job_id: str, tries: int = _REQUEUE_TRIES) -> Optional[str]:
+    """`scontrol requeue job_id`, retried with backoff (a busy controller refuses now and then);
+    None once it worked, else the last error."""
+    error = ""
+    for attempt in range(tries):
+        if attempt:
+            time.sleep(2 ** (attempt - 1))
+        try:
+            proc = subprocess.run(
+                ["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60, check=False
+            )
+        except (OSError, subprocess.TimeoutExpired) as err:
+            error = str(err)
+            continue
+        if proc.returncode == 0:
+            return None
+        error = (proc.stderr or proc.stdout).strip() or f"exit code {proc.returncode}"
+        log.warning("scontrol requeue %s failed (try %d of %d): %s", job_id, attempt + 1, tries, error)
+    return f"scontrol requeue failed {tries} times: {error}"
+
+
+def slurm_job_id() -> Optional[str]:
+    """This job's id as scontrol wants it (array tasks: ARRAYID_TASKID), or None outside Slurm."""
+    if "SLURM_JOB_ID" not in os.environ:
+        return None
+    if "SLURM_ARRAY_JOB_ID" in os.environ and "SLURM_ARRAY_TASK_ID" in os.environ:
+        return f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}"
+    return os.environ["SLURM_JOB_ID"]

@@ -1,0 +1,181 @@
+"""Slurm preflight: refuse, before anything is queued, a job the cluster could never run.
+
+A job asking for a partition that does not exist, more nodes or GPUs than the partition has, or more
+time than it allows would otherwise sit in the queue (reason PartitionNodeLimit, PartitionTimeLimit,
+...) and be found out hours later. `query_cluster` asks Slurm once; `check` is a pure function.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+from typing import Optional
+
+from gpujobs.base.errors import ConfigError, SubmitError
+from gpujobs.config.load import JobConfig, parse_time_minutes
+
+_TIMEOUT_S = 20
+
+
+@dataclass
+class PartitionInfo:
+    """What one partition can ever give."""
+
+    name: str
+    default: bool = False
+    max_nodes: Optional[int] = None
+    """None: unlimited."""
+    max_time_min: Optional[int] = None
+    """None: unlimited."""
+    nodes: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """node name → (CPUs, GPUs)."""
+
+
+@dataclass
+class ClusterInfo:
+    """Partitions, and the accounts and QOS names accounting knows (None where it could not say)."""
+
+    partitions: dict[str, PartitionInfo]
+    accounts: Optional[set[str]] = None
+    qos: Optional[set[str]] = None
+
+
+def _run(cmd: list[str]) -> str:
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=_TIMEOUT_S, check=False)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        raise SubmitError(f"Slurm did not answer `{' '.join(cmd)}`: {err}") from None
+    if proc.returncode != 0:
+        reason = (proc.stderr or proc.stdout).strip().splitlines()
+        raise SubmitError(f"Slurm refused `{' '.join(cmd)}`: {reason[-1] if reason else proc.returncode}")
+    return proc.stdout
+
+
+def gpu_count(gres: str) -> int:
+    """GPUs in a GRES string such as `gpu:2`, `gpu:a100:4(S:0-1)` or `(null)`."""
+    total = 0
+    for item in re.sub(r"\([^)]*\)", "", gres).split(","):
+        parts = item.strip().split(":")
+        if parts[0] == "gpu" and len(parts) > 1 and parts[-1].isdigit():
+            total += int(parts[-1])
+    return total
+
+
+def _limit(text: str, parse: type[int] | None = None) -> Optional[int]:
+    if text in ("UNLIMITED", "INFINITE", ""):
+        return None
+    return int(text) if parse is int else parse_time_minutes(text)
+
+
+def parse_partitions(scontrol: str, sinfo: str) -> dict[str, PartitionInfo]:
+    """Partitions from `scontrol show partition --oneliner` and `sinfo -h -N -o %N|%P|%c|%G`."""
+    partitions: dict[str, PartitionInfo] = {}
+    for line in scontrol.splitlines():
+        fields = dict(item.split("=", 1) for item in line.split() if "=" in item)
+        if "PartitionName" not in fields:
+            continue
+        partitions[fields["PartitionName"]] = PartitionInfo(
+            name=fields["PartitionName"],
+            default=fields.get("Default") == "YES",
+            max_nodes=_limit(fields.get("MaxNodes", ""), int),
+            max_time_min=_limit(fields.get("MaxTime", "")),
+        )
+    for line in sinfo.splitlines():
+        if line.count("|") != 3:
+            continue
+        node, partition, cpus, gres = line.split("|")
+        part = partitions.get(partition.rstrip("*"))
+        if part is not None:
+            part.nodes[node] = (int(cpus), gpu_count(gres))
+    return partitions
+
+
+def query_cluster(job: JobConfig) -> ClusterInfo:
+    """Ask Slurm (two or three quick commands) what it can give."""
+    partitions = parse_partitions(
+        _run(["scontrol", "show", "partition", "--oneliner"]),
+        _run(["sinfo", "-h", "-N", "-o", "%N|%P|%c|%G"]),
+    )
+    info = ClusterInfo(partitions)
+    if shutil.which("sacctmgr") is not None:
+        if job.cluster.account is not None:
+            info.accounts = set(_run(["sacctmgr", "-n", "-P", "show", "account", "format=account"]).split())
+        if job.cluster.qos is not None:
+            info.qos = set(_run(["sacctmgr", "-n", "-P", "show", "qos", "format=name"]).split())
+    return info
+
+
+def check(job: JobConfig, info: ClusterInfo) -> None:
+    """Raise ConfigError for the first thing `info`'s cluster could never give `job`."""
+    cluster, res = job.cluster, job.resources
+    names = ", ".join(sorted(info.partitions)) or "none"
+    if cluster.partition is None:
+        defaults = [p for p in info.partitions.values() if p.default]
+        if not defaults:
+            raise ConfigError("cluster.partition", None, f"one of {names} (the cluster has no default partition)")
+        part = defaults[0]
+    elif cluster.partition in info.partitions:
+        part = info.partitions[cluster.partition]
+    else:
+        raise ConfigError("cluster.partition", cluster.partition, f"one of {names}")
+
+    # An elastic job (--nodes=MIN-MAX) needs only MIN nodes that can run it: Slurm starts it on what is
+    # there, up to MAX. But a partition's MaxNodes holds the whole range (seen, Slurm 22.05: --nodes=1-2
+    # in a MaxNodes=1 partition pends forever with reason PartitionNodeLimit), so MAX must stay within it.
+    least, key = res.least_nodes, "resources.nodes" if res.min_nodes is None else "resources.min_nodes"
+    node_limit = len(part.nodes) if part.max_nodes is None else min(part.max_nodes, len(part.nodes))
+    if least > node_limit:
+        raise ConfigError(key, least, f"at most {node_limit} in partition {part.name}")
+    if part.max_nodes is not None and res.nodes > part.max_nodes:
+        raise ConfigError(
+            "resources.nodes", res.nodes,
+            f"at most {part.max_nodes} in partition {part.name} (its MaxNodes holds for the most of a --nodes range)",
+        )
+    with_gpus = [n for n, (_, gpus) in part.nodes.items() if gpus >= res.gpus_per_node]
+    if len(with_gpus) < least:
+        most = max((gpus for _, gpus in part.nodes.values()), default=0)
+        raise ConfigError(
+            "resources.gpus_per_node", res.gpus_per_node,
+            f"at most {most} on {least} node(s) of partition {part.name}",
+        )
+    cpus_needed = res.ranks_per_node * res.cpus_per_task
+    with_cpus = [n for n in with_gpus if part.nodes[n][0] >= cpus_needed]
+    if len(with_cpus) < least:
+        most = max((cpus for cpus, _ in part.nodes.values()), default=0)
+        raise ConfigError(
+            "resources.cpus_per_task", res.cpus_per_task,
+            f"ranks per node ({res.ranks_per_node}) x cpus_per_task <= {most} CPUs per node in partition {part.name}",
+        )
+    if part.max_time_min is not None and cluster.timeout_min > part.max_time_min:
+        raise ConfigError("cluster.time", cluster.time, f"at most {part.max_time_min} minutes in partition {part.name}")
+    if cluster.account is not None and info.accounts is not None and cluster.account not in info.accounts:
+        raise ConfigError("cluster.account", cluster.account, f"one of {', '.join(sorted(info.accounts)) or 'none'}")
+    if cluster.qos is not None and info.qos is not None and cluster.qos not in info.qos:
+        raise ConfigError("cluster.qos", cluster.qos, f"one of {', '.join(sorted(info.qos)) or 'none'}")
+
+
+def preflight_slurm(job: JobConfig, cache: Optional[dict[tuple[bool, bool], ClusterInfo]] = None) -> None:
+    """Query the cluster and check the job against it.
+
+    A sweep passes one `cache` for all its points, so a 100-point sweep asks Slurm once, not 100 times.
+    """
+    if shutil.which("sbatch") is None:
+        raise SubmitError("cluster=slurm but `sbatch` is not on PATH (use cluster=local on this machine)")
+    key = (job.cluster.account is not None, job.cluster.qos is not None)  # what query_cluster asks depends on these
+    info = cache.get(key) if cache is not None else None
+    if info is None:
+        info = query_cluster(job)
+        if cache is not None:
+            cache[key] = info
+    check(job, info)
+
+
+def max_array_size() -> int:
+    """The cluster's MaxArraySize: array indices must stay below it (Slurm's default is 1001)."""
+    for line in _run(["scontrol", "show", "config"]).splitlines():
+        key, _, value = line.partition("=")
+        if key.strip() == "MaxArraySize" and value.strip().isdigit():
+            return int(value.strip())
+    return 1001

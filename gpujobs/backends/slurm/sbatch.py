@@ -1,0 +1,138 @@
+"""Render, then send: the one sbatch script of a job, from `sbatch_templates/` (pure functions).
+
+What is queued, what a dry run prints and the `submit.sbatch` kept in the run dir are all the text
+`render_sbatch` returns for the job's `SbatchRequest`: there is no second renderer to drift.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import shlex
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import jinja2
+
+from gpujobs.base.errors import ConfigError
+from gpujobs.base.nvml import CUDA_ORDER_ENV
+from gpujobs.config.load import JobConfig, ResourcesConfig
+from gpujobs.config.packaged import TEMPLATE_DIR_ENV, template_dir
+
+#: sbatch_templates/ (the checkout's or the wheel's copy); GPUJOBS_SBATCH_TEMPLATES points elsewhere.
+TEMPLATE_DIR = template_dir()
+TEMPLATE = "job.sbatch.j2"
+
+
+@dataclass(frozen=True)
+class SbatchRequest:
+    """Everything the script says, already decided: flags, environment, logs, command."""
+
+    flags: tuple[tuple[str, Optional[str]], ...]
+    env: tuple[tuple[str, str], ...]
+    stdout: str
+    stderr: str
+    command: str
+    signal_lead_s: int
+    supervisor: str = ""
+    """What the batch step runs the srun line under (`gpujobs.attempt.supervise`): it records the attempts
+    that the ranks could not."""
+    elastic: bool = False
+    """`--nodes=MIN-MAX`: the script says that the world size is the allocation's."""
+
+    def __repr__(self) -> str:
+        return render_sbatch(self)
+
+
+def sbatch_request(job: JobConfig, folder: Path, command: str, *, array: Optional[str] = None) -> SbatchRequest:
+    """The request for `job`, whose submitit files live in `folder`, running `command` on every task."""
+    cluster, res = job.cluster, job.resources
+    log_stem = str(Path(folder) / ("%A_%a" if array else "%j"))
+    elastic = res.least_nodes < res.nodes
+    flags: list[tuple[str, Optional[str]]] = [("job-name", job.name), ("nodes", nodes_flag(res))]
+    # Per node, so it holds for any node count of a range; no total (--ntasks) may fix the world size.
+    # An elastic job with one rank per node says nothing: Slurm's default is one task per node, while an
+    # explicit `--ntasks-per-node=1` keeps it at MIN nodes even when MAX are free (seen, Slurm 22.05).
+    if not (elastic and res.ranks_per_node == 1):
+        flags.append(("ntasks-per-node", str(res.ranks_per_node)))
+    flags.append(("cpus-per-task", str(res.cpus_per_task)))
+    if res.gpus_per_node:
+        flags.append(("gpus-per-node", str(res.gpus_per_node)))
+    if res.mem_gb is not None:
+        flags.append(("mem", f"{int(res.mem_gb * 1024)}M"))
+    flags.append(("time", str(cluster.timeout_min)))
+    for key in ("partition", "account", "qos", "constraint", "exclude"):
+        value = getattr(cluster, key)
+        if value is not None:
+            flags.append((key, value))
+    if array is not None:
+        flags.append(("array", array))
+    flags += [
+        ("signal", f"USR2@{cluster.signal_lead_s}"),
+        ("requeue", None),
+        ("open-mode", "append"),
+        ("output", f"{log_stem}_0_log.out"),
+        ("error", f"{log_stem}_0_log.err"),
+    ]
+    return SbatchRequest(
+        flags=tuple(flags),
+        # no run dir: one script serves every point of an array (and a rerun dir), so each rank sets the
+        # files NCCL writes under its own run dir (`NcclSettings.export_env`), and the script names none
+        env=tuple(sorted({**job.nccl.to_env(), **CUDA_ORDER_ENV}.items())),
+        stdout=f"{log_stem}_%t_log.out",
+        stderr=f"{log_stem}_%t_log.err",
+        command=command,
+        signal_lead_s=cluster.signal_lead_s,
+        supervisor=supervisor_command(command),
+        elastic=elastic,
+    )
+
+
+def nodes_flag(res: ResourcesConfig) -> str:
+    """`--nodes`' value: `MIN-MAX` for an elastic job (it starts, and restarts after a requeue, on as few
+    as MIN nodes), else the one count."""
+    return f"{res.least_nodes}-{res.nodes}" if res.least_nodes < res.nodes else str(res.nodes)
+
+
+def supervisor_command(command: str) -> str:
+    """The batch step's supervisor, run by the interpreter that runs the ranks (the command's first word)."""
+    words = shlex.split(command)
+    python = words[0] if words else sys.executable
+    return " ".join(shlex.quote(arg) for arg in (python, "-u", "-m", "gpujobs.attempt.supervise", "--"))
+
+
+def job_command(folder: Path, *, run_dir: Optional[Path] = None, points: Optional[Path] = None) -> str:
+    """What every task runs: the job-side entry, told where its run dir (or array's list of them) is.
+
+    The script names the run dir, never a pickle named by job id, so the kept `submit.sbatch` can be
+    queued again by hand (`gpujobs.rank.srun` builds the payload from the run dir's config.yaml).
+    """
+    if (run_dir is None) == (points is None):
+        raise ValueError("job_command needs exactly one of run_dir and points")
+    target = ["--points", str(points)] if points is not None else [str(run_dir)]
+    args = [sys.executable, "-u", "-m", "gpujobs.rank.srun", "--folder", str(folder), *target]
+    return " ".join(shlex.quote(arg) for arg in args)
+
+
+@functools.lru_cache(maxsize=1)
+def _template() -> jinja2.Template:
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)),
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+        undefined=jinja2.StrictUndefined,
+        autoescape=False,  # a shell script, not HTML: every value goes through the `q` filter instead
+    )
+    env.filters["q"] = lambda value: shlex.quote(str(value))
+    try:
+        return env.get_template(TEMPLATE)
+    except jinja2.TemplateNotFound:  # $GPUJOBS_SBATCH_TEMPLATES names a directory without it
+        raise ConfigError(TEMPLATE_DIR_ENV, str(TEMPLATE_DIR), f"a directory that holds {TEMPLATE}") from None
+
+
+def render_sbatch(request: SbatchRequest) -> str:
+    """The script's text. Every value from config is shell-quoted."""
+    return _template().render(**dataclasses.asdict(request))

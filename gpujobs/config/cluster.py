@@ -1,0 +1,217 @@
+"""Where a job runs and what it asks for: `cluster` and `resources`, declared like every section of
+`gpujobs.config.schema` (which builds `JobConfig` from them and re-exports these names), with the Slurm limits
+their bounds come from: names sbatch reads, time strings, the --signal lead, --mem (torch-free).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from gpujobs.base.errors import ConfigError
+from gpujobs.config.validate import NAME_MAX, Checked, bounds
+
+CLUSTERS = ("auto", "local", "debug", "slurm")
+NAME = re.compile(r"[A-Za-z0-9_.-]+")
+NAME_TEXT = "letters, digits and _.- (no spaces or shell characters)"
+#: A name that becomes one directory level (`cluster.folder`, `name` in the default run dir): `.` and `..`
+#: would put what goes under it in the run dir itself or in its parent; Linux takes at most NAME_MAX bytes.
+DIR_NAME = re.compile(rf"(?!\.\.?\Z)[A-Za-z0-9_.-]{{1,{NAME_MAX}}}")
+DIR_NAME_TEXT = ("letters, digits and _.- (no spaces or shell characters), but not . or .., at most "
+                 f"{NAME_MAX} of them (a directory name)")
+_NAME_LIST = re.compile(r"[A-Za-z0-9_.,\[\]-]+")
+_NAME_LIST_TEXT = "letters, digits and _.,[]- (no spaces or shell characters)"
+_MM_SS = re.compile(r"\s*\d+:\d{1,2}\s*")
+_TIME = re.compile(r"(?:(\d+)-)?(\d+)(?::(\d{1,2}))?(?::(\d{1,2}))?")
+#: slurmctld checks time limits every 30 s and sends a job's --signal at the first check that finds
+#: less than the lead + 30 s left, so the signal may come up to 30 s before the lead.
+SLURM_LIMIT_CHECK_S = 30
+#: Slurm's --signal takes a lead of at most 65535 s (a 16-bit field).
+SLURM_MAX_SIGNAL_LEAD_S = 65535
+DEFAULT_SIGNAL_LEAD_S = 120
+#: Slurm keeps --ntasks-per-node and --cpus-per-task in 16 bits, 65534 and 65535 meaning "unset" and "infinite".
+SLURM_MAX_PER_NODE = 65533
+_PER_NODE = "Slurm's --ntasks-per-node is 16-bit"
+#: torch.distributed numbers ranks, and counts them, in a C int.
+MAX_WORLD_SIZE = 2**31 - 1
+#: `--mem` is rendered in whole MiB (`--mem=0` would ask for the whole node), and sbatch reads the MiB
+#: count as a signed 64-bit integer.
+_MEM_GB = bounds(ge=1 / 1024, le=2**53, note="GB: at least 1 MiB, as --mem counts whole MiB")
+
+
+def parse_time_minutes(text: str) -> int:
+    """Slurm time string (`MM`, `HH:MM:SS`, `D-HH[:MM[:SS]]`) to whole minutes, rounded up."""
+    match = _TIME.fullmatch(text.strip())
+    if not match:
+        raise ConfigError("cluster.time", text, "minutes, HH:MM:SS or D-HH:MM:SS")
+    days, first, second, third = match.groups()
+    if days is not None:  # D-HH[:MM[:SS]]
+        hours, minutes, seconds = int(first), int(second or 0), int(third or 0)
+    elif third is not None:  # HH:MM:SS
+        hours, minutes, seconds = int(first), int(second), int(third)
+    elif second is not None:  # MM:SS
+        hours, minutes, seconds = 0, int(first), int(second)
+    else:  # MM
+        hours, minutes, seconds = 0, int(first), 0
+    if (minutes >= 60 and (days is not None or third is not None)) or seconds >= 60:
+        raise ConfigError("cluster.time", text, "minutes and seconds below 60 in HH:MM:SS")
+    total_s = ((int(days or 0) * 24 + hours) * 60 + minutes) * 60 + seconds
+    if total_s <= 0:
+        raise ConfigError("cluster.time", text, "a positive duration")
+    return -(-total_s // 60)
+
+
+@dataclass
+class ClusterConfig(Checked):
+    """Where the job runs and how long it may take."""
+
+    name: str = field(default="auto", metadata=bounds(one_of=CLUSTERS))
+    """local | debug | slurm; auto picks slurm when sbatch and a Slurm config are found, else local
+    (on the submit side: `gpujobs.launch.resolve_cluster`; config.yaml holds the name it picked)."""
+    partition: Optional[str] = field(default=None, metadata=bounds(pattern=NAME, allowed=NAME_TEXT))
+    """Slurm partition (default: the cluster's default partition)."""
+    account: Optional[str] = field(default=None, metadata=bounds(pattern=NAME, allowed=NAME_TEXT))
+    """Slurm account to charge."""
+    qos: Optional[str] = field(default=None, metadata=bounds(pattern=NAME, allowed=NAME_TEXT))
+    """Slurm quality of service."""
+    constraint: Optional[str] = field(default=None, metadata=bounds(pattern=_NAME_LIST, allowed=_NAME_LIST_TEXT))
+    """Slurm node features the job needs (--constraint)."""
+    exclude: Optional[str] = field(default=None, metadata=bounds(pattern=_NAME_LIST, allowed=_NAME_LIST_TEXT))
+    """Slurm nodes to avoid (--exclude), e.g. node[3-4]."""
+    time: str = "01:00:00"
+    """Time limit: minutes, HH:MM:SS or D-HH:MM:SS."""
+    signal_lead_s: int = field(
+        default=DEFAULT_SIGNAL_LEAD_S,
+        metadata=bounds(ge=0, le=SLURM_MAX_SIGNAL_LEAD_S, note="Slurm's --signal takes at most 65535 s"),
+    )
+    """Seconds before the time limit at which the job gets USR2 to checkpoint (below the limit less 30 s)."""
+    wait: Optional[bool] = None
+    """Follow the job to its end and exit with its status (default: true locally, false on Slurm)."""
+    max_restarts: int = field(default=0, metadata=bounds(ge=0))
+    """Failure budget: attempts that failed by themselves (exit code != 0, no signal) that may be retried."""
+    max_preemptions: int = field(default=20, metadata=bounds(ge=0))
+    """Preemption budget: times the job may be preempted (USR2 well before its time limit) and requeued."""
+    max_timeouts: int = field(default=5, metadata=bounds(ge=0))
+    """Time-limit budget: times the job may hit its time limit (USR2 near it) and be requeued."""
+    max_unhealthy: int = field(default=3, metadata=bounds(ge=0))
+    """Health budget: attempts that a failed health check ended (its node is excluded) before the job gives up."""
+    health_check: bool = False
+    """Before training, check every node's GPUs through NVML (uncorrectable ECC errors, pending retired
+    pages or row remaps, XID events, temperature, thermal or power throttling) and time an all-reduce
+    across the ranks; a failing node ends the attempt as `unhealthy`, is excluded, and the job is requeued."""
+    health_min_busbw_gbps: float = field(default=0.0, metadata=bounds(ge=0, le=1e6))
+    """Health check: the least all-reduce bus bandwidth (GB/s) the probe must reach (0: measured and
+    recorded, never failed)."""
+    health_probe_mb: float = field(default=16.0, metadata=bounds(gt=0, le=4096))
+    """Health check: the size of the probe's all-reduce tensor, in MiB."""
+    health_max_temp_c: float = field(default=90.0, metadata=bounds(gt=0, le=200))
+    """Health check: the hottest a GPU may be at start (degrees C)."""
+    folder: str = field(default="submitit", metadata=bounds(pattern=DIR_NAME, allowed=DIR_NAME_TEXT))
+    """Sub-directory of the run dir for submitit's pickles and per-rank logs."""
+    dry_run: bool = False
+    """Slurm: print the exact sbatch script that would be queued, and write and queue nothing."""
+    array_parallelism: Optional[int] = field(default=None, metadata=bounds(ge=1))
+    """Slurm sweeps (`-m`): at most this many points of the job array run at once (null: no limit)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        try:
+            limit_s = parse_time_minutes(self.time) * 60
+        except ConfigError as err:
+            raise ConfigError("time", self.time, err.allowed) from None
+        if self.signal_lead_s + SLURM_LIMIT_CHECK_S >= limit_s:
+            # slurmctld sends --signal at its first limit check with less than lead + 30 s left: a longer
+            # lead would stop every attempt as it starts and spend the time-limit budget on nothing. The
+            # lead left at its default is not what the user set: the time is.
+            if self.signal_lead_s == DEFAULT_SIGNAL_LEAD_S:
+                least = self.signal_lead_s + SLURM_LIMIT_CHECK_S
+                slurm_reads = (f"; {self.time} is minutes:seconds to Slurm, {limit_s // 60} whole minutes"
+                               if _MM_SS.fullmatch(self.time) else "")
+                raise ConfigError(
+                    "time", self.time,
+                    f"more than {least} s (cluster.signal_lead_s={self.signal_lead_s} plus the "
+                    f"{SLURM_LIMIT_CHECK_S} s by which Slurm may send the signal early{slurm_reads}), "
+                    "or a smaller cluster.signal_lead_s",
+                )
+            raise ConfigError(
+                "signal_lead_s", self.signal_lead_s,
+                f"below {limit_s - SLURM_LIMIT_CHECK_S} s with time={self.time} (the time limit less the "
+                f"{SLURM_LIMIT_CHECK_S} s by which Slurm may send the signal early)",
+            )
+
+    @property
+    def timeout_min(self) -> int:
+        """The time limit in minutes."""
+        return parse_time_minutes(self.time)
+
+    @property
+    def should_wait(self) -> bool:
+        """Whether submit follows the job to its end."""
+        return self.wait if self.wait is not None else self.name != "slurm"
+
+
+@dataclass
+class ResourcesConfig(Checked):
+    """What one job asks for. One rank per GPU; CPU ranks (gloo) where there is no GPU."""
+
+    nodes: int = field(default=1, metadata=bounds(ge=1))
+    """Number of nodes (their ranks, at most `MAX_WORLD_SIZE` in all; Slurm's partition bounds them at submit)."""
+    gpus_per_node: int = field(default=0, metadata=bounds(ge=0, le=SLURM_MAX_PER_NODE, note=_PER_NODE))
+    """GPUs per node; each gets one rank."""
+    procs_per_node: Optional[int] = field(default=None, metadata=bounds(ge=1, le=SLURM_MAX_PER_NODE, note=_PER_NODE))
+    """Ranks per node when gpus_per_node is 0 (CPU ranks with gloo); default 1. With GPUs, at most
+    gpus_per_node (one rank per GPU: more would not run)."""
+    cpus_per_task: int = field(
+        default=1, metadata=bounds(ge=1, le=SLURM_MAX_PER_NODE, note="Slurm keeps it in 16 bits")
+    )
+    """CPU cores per rank (also the torch thread count)."""
+    mem_gb: Optional[float] = field(default=None, metadata=_MEM_GB)
+    """Memory per node in GB (default: the cluster's default); at least 1/1024 (1 MiB, see `_MEM_GB`)."""
+    pick_gpus: bool = False
+    """Local runs: false uses GPUs 0..gpus_per_node-1; true picks the least-loaded GPUs (NVML)."""
+    min_free_gpu_mem_gb: float = field(default=0.0, metadata=bounds(ge=0))
+    """Local runs with pick_gpus: a GPU needs at least this much free memory to be picked."""
+    min_nodes: Optional[int] = field(default=None, metadata=bounds(ge=1))
+    """Elastic Slurm jobs: start (and come back after a requeue) on as few as this many nodes,
+    `--nodes=MIN-MAX` with MAX = nodes; the world size is read from the allocation at start (default:
+    nodes, a fixed allocation)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.min_nodes is not None and self.min_nodes > self.nodes:
+            raise ConfigError("min_nodes", self.min_nodes, f"1..{self.nodes} (resources.nodes is the most)")
+        if self.world_size > MAX_WORLD_SIZE:  # ranks per node stop at 65533: only nodes take the world past it
+            most = MAX_WORLD_SIZE // self.ranks_per_node
+            raise ConfigError("nodes", self.nodes, f"at most {most} with {self.ranks_per_node} ranks a node "
+                                                   f"(torch.distributed counts ranks in a C int: {MAX_WORLD_SIZE})")
+        gpus, procs = self.gpus_per_node, self.procs_per_node
+        if gpus and procs is not None and procs > gpus:
+            raise ConfigError(
+                "gpus_per_node", gpus,
+                f"0 for resources.procs_per_node={procs} CPU ranks, or at least {procs} for as many GPU ranks "
+                f"(one rank per GPU: {gpus} GPUs run {gpus} ranks; for that, set resources.procs_per_node={gpus})",
+            )
+
+    @property
+    def least_nodes(self) -> int:
+        """The fewest nodes the job runs on (min_nodes, else nodes)."""
+        return self.min_nodes if self.min_nodes is not None else self.nodes
+
+    @property
+    def ranks_per_node(self) -> int:
+        """One rank per GPU, else procs_per_node CPU ranks."""
+        if self.gpus_per_node > 0:
+            return self.gpus_per_node
+        return self.procs_per_node or 1
+
+    @property
+    def world_size(self) -> int:
+        """Total number of ranks."""
+        return self.nodes * self.ranks_per_node
+
+    @property
+    def held_per_rank(self) -> dict[str, Any]:
+        """What each rank holds, as an attempt's line says it for the GPU-hour ledger: one GPU, or
+        `cpus_per_task` CPUs for CPU ranks (`unit`, `per_rank`)."""
+        return {"unit": "gpu", "per_rank": 1} if self.gpus_per_node else {"unit": "cpu", "per_rank": self.cpus_per_task}

@@ -1,0 +1,92 @@
+"""Each rank's compute time: data + forward + backward, up to where the gradient all-reduce makes it wait.
+
+DDP overlaps the all-reduce with the backward pass, so a rank's backward call returns only once the
+slowest rank's gradients are in: timing around `backward()` would measure the slowest rank everywhere.
+A DDP communication hook sees the moment this rank's last gradient bucket is ready, which is the end
+of its own compute; that is what dynamic balancing divides by the rows it read. Micro-batches under
+`no_sync` (gradient accumulation) and single-rank runs have no all-reduce: their compute ends with
+`backward()`.
+
+On CUDA the times come from CUDA events (the host only queues kernels), read once per window; on the
+CPU from the wall clock. The host clock is no rank's own on CUDA: a blocking copy to the GPU waits for
+everything queued before it, the last step's all-reduce included, so every rank would read the slowest
+rank's time. A start event runs only once the GPU is done with that, so the events leave it out: this
+is also the straggler check's signal on GPUs. The slow-GPU emulation (`telemetry.debug_slow_factor`)
+lives here too: the slowed rank sleeps (F - 1) times its measured compute at the same point, so it costs
+what an F times slower GPU would, in proportion to the rows it reads.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import torch
+
+from gpujobs.rank import collectives
+
+
+class ComputeClock:
+    """Sums one rank's compute seconds over a window of micro-batches."""
+
+    def __init__(self, device: torch.device, slow_factor: float = 1.0) -> None:
+        self.cuda = device.type == "cuda"
+        self.slow_factor = slow_factor
+        self._started = 0.0
+        self._start_event: Optional[torch.cuda.Event] = None
+        self._pairs: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._done = True
+        self.window_s = 0.0
+        """Compute seconds so far in this window (CPU clock; CUDA events are added by `read`)."""
+
+    def start(self) -> None:
+        """A micro-batch begins (before its data is fetched)."""
+        self._done = False
+        if self.cuda:
+            self._start_event = torch.cuda.Event(enable_timing=True)
+            self._start_event.record()
+        self._started = time.perf_counter()
+
+    def end(self) -> None:
+        """This rank's compute of the micro-batch is over (called once; later calls do nothing)."""
+        if self._done:
+            return
+        self._done = True
+        if self.slow_factor > 1:
+            time.sleep((self.slow_factor - 1) * self._so_far())
+        if self.cuda and self._start_event is not None:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._pairs.append((self._start_event, end))  # recorded after the sleep: it counts
+        else:
+            self.window_s += time.perf_counter() - self._started
+
+    def _so_far(self) -> float:
+        """This micro-batch's compute seconds up to now (on CUDA: once the GPU gets here, by the events,
+        not counting what the GPU still had queued from the last step when it started)."""
+        if self.cuda and self._start_event is not None:
+            now = torch.cuda.Event(enable_timing=True)
+            now.record()
+            now.synchronize()
+            return self._start_event.elapsed_time(now) / 1000
+        return time.perf_counter() - self._started
+
+    def read(self) -> float:
+        """The window's compute seconds, and a new window (on CUDA: waits for the window's last event)."""
+        total = self.window_s
+        if self._pairs:
+            self._pairs[-1][1].synchronize()
+            total += sum(start.elapsed_time(end) for start, end in self._pairs) / 1000
+        self.window_s, self._pairs = 0.0, []
+        return total
+
+    def install(self, ddp: torch.nn.Module) -> None:
+        """Mark the end of compute from the all-reduce of the last gradient bucket (DDP only)."""
+        # Unannotated: DDP compares the annotation object with dist.GradBucket, and this module's
+        # annotations are strings (`from __future__ import annotations`).
+        def hook(state, bucket):  # type: ignore[no-untyped-def]
+            if bucket.is_last():
+                self.end()
+            return collectives.average_gradient_bucket(bucket)
+
+        ddp.register_comm_hook(None, hook)  # type: ignore[operator]
