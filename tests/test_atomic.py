@@ -13,6 +13,7 @@ from gpujobs.base.atomic import append_jsonl, write_text_atomic
 from gpujobs.base.errors import GpujobsError
 from gpujobs.rank.metrics import MetricsLog
 from gpujobs.rundir.files import record_submission
+from gpujobs.rundir.records import CheckpointRecord
 
 
 def test_a_write_on_a_full_disk_keeps_the_old_file_and_leaves_no_temp(tmp_path: Path) -> None:
@@ -60,7 +61,7 @@ def test_a_link_planted_in_place_of_a_jsonl_file_is_refused_and_its_target_untou
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     refused = "cannot be written: it is a symbolic link, not a regular file \\(gpujobs does not follow it\\)$"
-    for name, append in [("metrics.jsonl", lambda path: MetricsLog(path).write({"kind": "train", "step": 1})),
+    for name, append in [("metrics.jsonl", lambda path: MetricsLog(path).write(CheckpointRecord(1, 0.1))),
                          ("attempts.jsonl", lambda path: append_jsonl(path, {"attempt": 1}, durable=True)),
                          ("slurm_jobs.jsonl", lambda path: record_submission(run_dir, "41", tmp_path / "logs"))]:
         (run_dir / name).symlink_to(elsewhere)

@@ -93,7 +93,7 @@ def test_replay_applies_the_recorded_plans_at_their_steps() -> None:
         plans[step] = list(replay.plan.counts)
     assert plans[19] == [50, 50] and plans[20] == [60, 40] and plans[59] == [70, 30]
     resumed = Balancer(_cfg(balance="replay", balance_replay="x"), 2, 100, replay=history)
-    assert resumed.start(45, resumed=True)["counts"] == [70, 30]  # a resume picks up the plan of its step
+    assert resumed.start(45, resumed=True).counts == [70, 30]  # a resume picks up the plan of its step
     with pytest.raises(BalanceError, match="over 2 ranks; this run has 100 rows per micro-batch over 3"):
         Balancer(_cfg(balance="replay", balance_replay="x"), 3, 100, replay=history).replay_at(20)
 

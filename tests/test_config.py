@@ -282,8 +282,8 @@ def test_values_the_schema_refuses_still_name_the_key(key: str, value: object) -
 
 def test_checkpoint_async_is_the_key_users_write_and_read() -> None:
     job = compose_job("+experiment=rec", "checkpoint.async=true")
-    assert job.checkpoint.async_ is True
-    assert job.to_dict()["checkpoint"]["async"] is True and "async_" not in job.to_dict()["checkpoint"]
+    assert job.checkpoint.background is True
+    assert job.to_dict()["checkpoint"]["async"] is True and "background" not in job.to_dict()["checkpoint"]
     with pytest.raises(ConfigError, match=r"^checkpoint\.async='maybe' is invalid"):
         compose_job("+experiment=rec", "checkpoint.async=maybe")
 

@@ -37,7 +37,7 @@ SCHEMAS: list[tuple[str, type[Any], tuple[str, ...]]] = [
 ]
 #: A value each `valid=` test refuses (a new field declared with `valid=` needs one here).
 INVALID_SAMPLES: dict[str, object] = {
-    "prometheus_addr": "not a host name", "debug": "LOUD", "train_path": "  ", "eval_path": "",
+    "prometheus_addr": "not a host name", "train_path": "  ", "eval_path": "",
 }
 
 
@@ -124,7 +124,8 @@ def _fields_of(kind: Any) -> list[Any]:
         for field in dataclasses.fields(schema):
             field_kind, _ = _kinds(schema)[field.name]
             b = declared(schema).get(field.name)
-            if field_kind is kind and not (b is not None and b.any_text) and field.name != "_target_":
+            text = kind is str and isinstance(field_kind, type) and issubclass(field_kind, str)  # a choice too
+            if (field_kind is kind or text) and not (b is not None and b.any_text) and field.name != "_target_":
                 key = f"{prefix}.{field.name}" if prefix else field.name
                 cases.append(pytest.param(base, prefix, field.name, id=key))
     return cases

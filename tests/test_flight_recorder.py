@@ -183,7 +183,7 @@ def test_a_rank_without_a_usable_temp_dir_runs_on_without_a_pipe_and_says_so(
     monkeypatch.setattr(tempfile, "tempdir", str(node_tmp))
     beat = Heartbeat(tmp_path, 0, "node-a", 3600).start()
     try:
-        assert beat.pipe_dir is None and beat.record()["flight_recorder"] is False
+        assert beat.pipe_dir is None and beat.record().flight_recorder is False
     finally:
         beat.close()
     assert "rank 0 has no flight-recorder pipe" in caplog.text and "Not a directory" in caplog.text

@@ -26,7 +26,7 @@ from gpujobs.launch.manage import parse_sacct, sacct_state_of
 from gpujobs.rank.metrics import MetricsLog
 from gpujobs.rundir.attempts import AttemptLog
 from gpujobs.rundir.files import read_submissions, record_cancel, record_submission, write_config
-from gpujobs.rundir.records import Result, read_metrics
+from gpujobs.rundir.records import PlanRecord, Result, TrainRecord, read_metrics
 
 #: What a crash leaves at the end of a JSON-lines file, and lines that are no record at all.
 TORN, GARBAGE = '{"step": 1, "loss": 0.', ("garbage\n", "[1, 2]\n", '{"step": 7, "loss": 0.5}}\n')
@@ -101,8 +101,8 @@ def test_a_resume_plan_metrics_log_appends_after_a_torn_line_is_kept(tmp_path: P
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"kind": "train", "step": 5, "loss": 0.5, "samples_per_s": 9.0}\n' + TORN)
     metrics = MetricsLog(path)
-    metrics.write({"kind": "plan", "step": 5, "mode": "static", "reason": "resume", "shares": [0.5, 0.5]})
-    metrics.write({"kind": "train", "step": 6, "loss": 0.4, "samples_per_s": 9.0})
+    metrics.write(PlanRecord(step=5, mode="static", reason="resume", shares=[0.5, 0.5]))
+    metrics.write(TrainRecord(step=6, loss=0.4, samples_per_s=9.0))
     metrics.close()
     assert [(r.step, type(r).__name__) for r in read_metrics(tmp_path)] == [
         (5, "TrainRecord"), (5, "PlanRecord"), (6, "TrainRecord")]
@@ -178,7 +178,7 @@ def test_status_shows_each_attempts_world_size_and_the_current_one(tmp_path: Pat
     ledger.record(job.cluster, "preempted", job_id="11", world_size=2, recorded_by="supervisor")
     assert world_cells() == ("2", "3 (preempted) world 4→?→2")  # nothing newer: the last attempt's
     metrics = MetricsLog(run_dir / "metrics.jsonl")  # the attempt now running trains on 3 ranks
-    metrics.write({"kind": "train", "step": 40, "loss": 0.5, "samples_per_s": 900.0, "step_time_s": [0.1] * 3})
+    metrics.write(TrainRecord(step=40, loss=0.5, samples_per_s=900.0, step_time_s=[0.1] * 3))
     metrics.close()
     assert world_cells() == ("3", "3 (preempted) world 4→?→2")
     ledger.record(job.cluster, "completed", job_id="11", world_size=3)

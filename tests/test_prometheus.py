@@ -39,6 +39,7 @@ from gpujobs.base.errors import ConfigError
 from gpujobs.rank.observe.prometheus import FileSdTarget, PrometheusExporter
 from gpujobs.rank.observe.telemetry import Telemetry
 from gpujobs.rundir import GPU_FILE, PROMETHEUS_FILE
+from gpujobs.rundir.records import TrainRecord
 
 MONITORING = REPO / "monitoring"
 RULES = MONITORING / "prometheus" / "gpujobs.rules.yml"
@@ -444,7 +445,7 @@ def test_a_vanished_sd_dir_is_logged_and_the_endpoint_serves_on(
     with caplog.at_level(logging.WARNING, logger="gpujobs.rank.observe.prometheus"):
         url = exporter.start(0, "127.0.0.1", tmp_path, sd_dir, {"node": "n1"})
     try:
-        exporter.observe({"kind": "train", "step": 3, "loss": 0.5, "samples_per_s": 10.0})
+        exporter.observe(TrainRecord(step=3, loss=0.5, samples_per_s=10.0))
         with urllib.request.urlopen(url, timeout=5) as response:
             assert "gpujobs_step{job=\"rec\"} 3.0" in response.read().decode()
     finally:

@@ -100,8 +100,8 @@ def test_metrics_reader_types_plan_and_checkpoint_records(tmp_path: Path) -> Non
     assert plans[-1] == PlanRecord(step=30, mode="dynamic", reason="update", shares=[0.75, 0.25],
                                    counts=[192, 64], time=103.0)
     saves = [r for r in records if isinstance(r, CheckpointRecord)]
-    assert saves == [CheckpointRecord(step=20, blocking_s=0.012, async_=True, time=121.0),
-                     CheckpointRecord(step=40, blocking_s=0.25, async_=False, time=141.0)]
+    assert saves == [CheckpointRecord(step=20, blocking_s=0.012, background=True, time=121.0),
+                     CheckpointRecord(step=40, blocking_s=0.25, background=False, time=141.0)]
     last_train = [r for r in records if isinstance(r, TrainRecord)][-1]
     assert (last_train.counts, last_train.compute_s_per_sample, last_train.balance) == ([192, 64], [1e-4, 3e-4],
                                                                                         "dynamic")

@@ -27,6 +27,7 @@ from gpujobs.base.errors import ConfigError
 from gpujobs.rank.observe.prometheus import PrometheusExporter
 from gpujobs.rank.observe.straggler import Peer, StragglerCheck, imbalance
 from gpujobs.rundir import PROMETHEUS_FILE
+from gpujobs.rundir.records import TrainRecord
 
 TINY = ("+experiment=rec", "+debug=tiny", "cluster=local")
 
@@ -165,13 +166,17 @@ def test_imbalance_is_slowest_over_median() -> None:
     assert imbalance([0.1, 0.1, 0.1, 0.3]) == (pytest.approx(3.0), 3)
     assert imbalance([0.2]) == (1.0, 0)
     check = StragglerCheck(1.5, [Peer(0, "a", "0"), Peer(1, "b", "3")], warn=False)
-    record = {"step": 5, "local_time_s": [0.1, 0.4]}
-    message = check.check(record)
-    assert record["imbalance"] == 1.6 and record["slowest_rank"] == 1
+    record, message = check.check(_train(5, local_time_s=[0.1, 0.4]))
+    assert record.imbalance == 1.6 and record.slowest_rank == 1
     assert message is not None and "rank 1 (node b, GPU 3)" in message
-    assert check.check({"step": 6, "local_time_s": [0.1, 0.11]}) is None
+    assert check.check(_train(6, local_time_s=[0.1, 0.11]))[1] is None
     # 2x, but a microsecond against a 10 ms step: noise, not a straggler worth a warning
-    assert check.check({"step": 7, "local_time_s": [1e-6, 2e-6], "step_time_s": [0.01, 0.01]}) is None
+    assert check.check(_train(7, local_time_s=[1e-6, 2e-6], step_time_s=[0.01, 0.01]))[1] is None
+
+
+def _train(step: int, **times: list[float]) -> TrainRecord:
+    """A train record with only the timings the straggler check reads."""
+    return TrainRecord(step=step, loss=0.5, samples_per_s=100.0, **times)
 
 
 @pytest.mark.parametrize(

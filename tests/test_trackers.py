@@ -31,6 +31,7 @@ from gpujobs.base.errors import ConfigError
 from gpujobs.config.load import MlflowConfig, TensorBoardConfig, load_config
 from gpujobs.config.validate import declared
 from gpujobs.rundir.files import read_config, write_config
+from gpujobs.rundir.records import EvalRecord, MetricsRecord, TrainRecord
 from gpujobs.rundir.trackers import read_state
 
 try:
@@ -223,11 +224,11 @@ def test_a_sweep_whose_tracking_server_is_down_is_refused_in_seconds(tmp_path: P
 # ---------------------------------------------------------------- the trackers across attempts
 
 
-def _train(step: int) -> dict[str, Any]:
+def _train(step: int) -> TrainRecord:
     """A train record as the trainer hands it over (2 ranks)."""
-    return {"kind": "train", "step": step, "loss": 1 / step, "lr": 0.001, "samples_per_s": 1000.0 + step,
-            "step_time_s": [0.01, 0.012], "data_time_s": [0.001, 0.001], "local_time_s": [0.004, 0.006],
-            "imbalance": 1.2, "slowest_rank": 1, "counts": [32, 32], "balance": "off"}
+    return TrainRecord(step=step, loss=1 / step, lr=0.001, samples_per_s=1000.0 + step,
+                       step_time_s=[0.01, 0.012], data_time_s=[0.001, 0.001], local_time_s=[0.004, 0.006],
+                       imbalance=1.2, slowest_rank=1, counts=[32, 32], balance="off")
 
 
 def _attempt(job: Any, run_dir: Path, steps: range, *, reach_trackers: int, status: str) -> None:
@@ -240,7 +241,8 @@ def _attempt(job: Any, run_dir: Path, steps: range, *, reach_trackers: int, stat
     with contextlib.closing(metrics):
         trackers = open_trackers(job, run_dir, True)
         for step in steps:
-            records = [_train(step)] + ([{"kind": "eval", "step": step, "auc": step / 100}] if step % 12 == 0 else [])
+            evals = [EvalRecord(step=step, metrics={"auc": step / 100})] if step % 12 == 0 else []
+            records: list[MetricsRecord] = [_train(step), *evals]
             for record in records:
                 metrics.write(record)
                 if step <= reach_trackers:

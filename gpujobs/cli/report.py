@@ -91,7 +91,7 @@ def _checkpoint_lines(metrics: list[MetricsRecord]) -> list[str]:
     if not saves:
         return []
     blocking = [save.blocking_s for save in saves]
-    background = sum(1 for save in saves if save.async_)
+    background = sum(1 for save in saves if save.background)
     return [f"checkpoints: {_count(len(saves), 'save')} ({background} async), blocking training median "
             f"{statistics.median(blocking):.3f} s, max {max(blocking):.3f} s, total {sum(blocking):.3f} s"]
 
@@ -119,10 +119,7 @@ def summarize(metrics: list[MetricsRecord], gpus: list[dict[str, Any]], result: 
                          f"max {max(ratios):.2f}; most often slowest: rank {slowest}")
     lines += _balance_lines(metrics) + _checkpoint_lines(metrics)
     if gpus:
-        by_gpu: dict[str, list[dict[str, Any]]] = defaultdict(list)
-        for sample in gpus:
-            by_gpu[_gpu_name(sample)].append(sample)
-        for name, samples in sorted(by_gpu.items()):
+        for name, samples in sorted(_by_gpu(gpus).items()):
             util = [s["util_pct"] for s in samples if "util_pct" in s]
             mem = [s["mem_used_mib"] for s in samples if "mem_used_mib" in s]
             total = samples[-1].get("mem_total_mib")
@@ -142,26 +139,55 @@ def _gpu_name(sample: dict[str, Any]) -> str:
     return f"{sample.get('node')}/GPU {sample.get('gpu')}" + (f" (rank {rank})" if rank is not None else "")
 
 
+def _by_gpu(gpus: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """The GPU samples of each GPU, by its name."""
+    by_gpu: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for sample in gpus:
+        by_gpu[_gpu_name(sample)].append(sample)
+    return by_gpu
+
+
+class _Figures:
+    """pyplot, drawing into files in `out` (no display on compute nodes), and the files written so far."""
+
+    def __init__(self, out: Path) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only: no display on compute nodes
+        import matplotlib.pyplot as plt
+
+        self.plt: Any = plt
+        self.out = out
+        self.written: list[Path] = []
+        out.mkdir(parents=True, exist_ok=True)
+
+    def save(self, fig: Any, name: str) -> None:
+        """Write `fig` as `name` and close it."""
+        fig.tight_layout()
+        fig.savefig(self.out / name, dpi=110)
+        self.plt.close(fig)
+        self.written.append(self.out / name)
+
+
 def plot(metrics: list[MetricsRecord], gpus: list[dict[str, Any]], out: Path) -> list[Path]:
     """Write the PNGs into `out`; returns their paths."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only: no display on compute nodes
-    import matplotlib.pyplot as plt
-
-    out.mkdir(parents=True, exist_ok=True)
+    figures = _Figures(out)
     train, evals = _split(metrics)
-    steps = [r.step for r in train]
-    written = []
+    _plot_loss(figures, train, evals)
+    _plot_throughput(figures, train)
+    _plot_step_time(figures, train)
+    if _plans(metrics):
+        _plot_balance(figures, metrics, train)
+    if _saves(metrics):
+        _plot_saves(figures, _saves(metrics))
+    if gpus:
+        _plot_gpus(figures, gpus)
+    return figures.written
 
-    def save(fig: Any, name: str) -> None:
-        fig.tight_layout()
-        fig.savefig(out / name, dpi=110)
-        plt.close(fig)
-        written.append(out / name)
 
-    fig, (ax_loss, ax_eval) = plt.subplots(1, 2, figsize=(10, 3.8))
-    ax_loss.plot(steps, [r.loss for r in train], marker=".")
+def _plot_loss(figures: _Figures, train: list[TrainRecord], evals: list[EvalRecord]) -> None:
+    fig, (ax_loss, ax_eval) = figures.plt.subplots(1, 2, figsize=(10, 3.8))
+    ax_loss.plot([r.step for r in train], [r.loss for r in train], marker=".")
     ax_loss.set(title="training loss", xlabel="step", ylabel="loss")
     eval_keys = sorted({k for r in evals for k in r.metrics})
     for key in eval_keys:
@@ -170,15 +196,20 @@ def plot(metrics: list[MetricsRecord], gpus: list[dict[str, Any]], out: Path) ->
     ax_eval.set(title="evaluation", xlabel="step")
     if eval_keys:
         ax_eval.legend()
-    save(fig, "loss.png")
+    figures.save(fig, "loss.png")
 
-    fig, ax = plt.subplots(figsize=(6, 3.8))
-    ax.plot(steps, [r.samples_per_s for r in train], marker=".")
+
+def _plot_throughput(figures: _Figures, train: list[TrainRecord]) -> None:
+    fig, ax = figures.plt.subplots(figsize=(6, 3.8))
+    ax.plot([r.step for r in train], [r.samples_per_s for r in train], marker=".")
     ax.set(title="throughput (all ranks)", xlabel="step", ylabel="samples/s")
     ax.set_ylim(bottom=0)
-    save(fig, "throughput.png")
+    figures.save(fig, "throughput.png")
 
-    fig, (ax_step, ax_local) = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
+
+def _plot_step_time(figures: _Figures, train: list[TrainRecord]) -> None:
+    fig, (ax_step, ax_local) = figures.plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
+    steps = [r.step for r in train]
     world = min((len(r.step_time_s) for r in train), default=0)
     for rank in range(world):
         ax_step.plot(steps, [r.step_time_s[rank] for r in train], marker=".", label=f"rank {rank}")
@@ -187,53 +218,51 @@ def plot(metrics: list[MetricsRecord], gpus: list[dict[str, Any]], out: Path) ->
     ax_step.set(title="step time per rank", xlabel="step", ylabel="seconds")
     ax_local.set(title="local time (data + forward) per rank", xlabel="step")
     ax_step.legend()
-    save(fig, "step_time.png")
+    figures.save(fig, "step_time.png")
 
-    plans = _plans(metrics)
-    if plans:
-        timed = [r for r in train if r.compute_s_per_sample]
-        fig, axes = plt.subplots(1, 2 if timed else 1, figsize=(10 if timed else 6, 3.8), squeeze=False)
-        end = max(r.step for r in metrics if not isinstance(r, HealthRecord))  # a health check has no step
-        _plot_shares(axes[0][0], plans, end, balance_mode(metrics))
-        if timed:
-            ax = axes[0][1]
-            for rank in range(max(len(r.compute_s_per_sample) for r in timed)):
-                ranked = [r for r in timed if len(r.compute_s_per_sample) > rank]
-                ax.plot([r.step for r in ranked], [r.compute_s_per_sample[rank] * 1e6 for r in ranked],
-                        marker=".", label=f"rank {rank}")
-            ax.set(title="compute time per sample", xlabel="step", ylabel="µs")
-            ax.set_ylim(bottom=0)
-            ax.legend()
-        save(fig, "shares.png")
 
-    saves = _saves(metrics)
-    if saves:
-        fig, ax = plt.subplots(figsize=(6, 3.8))
-        for background, label, marker in ((False, "synchronous", "o"), (True, "async", "^")):
-            kind = [r for r in saves if r.async_ is background]
-            if kind:
-                ax.plot([r.step for r in kind], [r.blocking_s for r in kind], marker, label=label)
-        ax.set(title="checkpoint: time training was blocked", xlabel="step", ylabel="seconds")
+def _plot_balance(figures: _Figures, metrics: list[MetricsRecord], train: list[TrainRecord]) -> None:
+    """Each rank's share, and (where the run measured it) its compute time per sample."""
+    timed = [r for r in train if r.compute_s_per_sample]
+    fig, axes = figures.plt.subplots(1, 2 if timed else 1, figsize=(10 if timed else 6, 3.8), squeeze=False)
+    end = max(r.step for r in metrics if not isinstance(r, HealthRecord))  # a health check has no step
+    _plot_shares(axes[0][0], _plans(metrics), end, balance_mode(metrics))
+    if timed:
+        ax = axes[0][1]
+        for rank in range(max(len(r.compute_s_per_sample) for r in timed)):
+            ranked = [r for r in timed if len(r.compute_s_per_sample) > rank]
+            ax.plot([r.step for r in ranked], [r.compute_s_per_sample[rank] * 1e6 for r in ranked],
+                    marker=".", label=f"rank {rank}")
+        ax.set(title="compute time per sample", xlabel="step", ylabel="µs")
         ax.set_ylim(bottom=0)
         ax.legend()
-        save(fig, "checkpoints.png")
+    figures.save(fig, "shares.png")
 
-    if gpus:
-        start = min(s["time"] for s in gpus)
-        fig, (ax_util, ax_mem) = plt.subplots(1, 2, figsize=(10, 3.8))
-        by_gpu: dict[str, list[dict[str, Any]]] = defaultdict(list)
-        for sample in gpus:
-            by_gpu[_gpu_name(sample)].append(sample)
-        for name, samples in sorted(by_gpu.items()):
-            ax_util.plot([s["time"] - start for s in samples if "util_pct" in s],
-                         [s["util_pct"] for s in samples if "util_pct" in s], label=name)
-            ax_mem.plot([s["time"] - start for s in samples if "mem_used_mib" in s],
-                        [s["mem_used_mib"] / 1024 for s in samples if "mem_used_mib" in s], label=name)
-        ax_util.set(title="GPU utilization", xlabel="seconds", ylabel="%", ylim=(0, 105))
-        ax_mem.set(title="GPU memory used", xlabel="seconds", ylabel="GiB")
-        ax_util.legend(fontsize="small")
-        save(fig, "gpu.png")
-    return written
+
+def _plot_saves(figures: _Figures, saves: list[CheckpointRecord]) -> None:
+    fig, ax = figures.plt.subplots(figsize=(6, 3.8))
+    for background, label, marker in ((False, "synchronous", "o"), (True, "async", "^")):
+        kind = [r for r in saves if r.background is background]
+        if kind:
+            ax.plot([r.step for r in kind], [r.blocking_s for r in kind], marker, label=label)
+    ax.set(title="checkpoint: time training was blocked", xlabel="step", ylabel="seconds")
+    ax.set_ylim(bottom=0)
+    ax.legend()
+    figures.save(fig, "checkpoints.png")
+
+
+def _plot_gpus(figures: _Figures, gpus: list[dict[str, Any]]) -> None:
+    start = min(s["time"] for s in gpus)
+    fig, (ax_util, ax_mem) = figures.plt.subplots(1, 2, figsize=(10, 3.8))
+    for name, samples in sorted(_by_gpu(gpus).items()):
+        ax_util.plot([s["time"] - start for s in samples if "util_pct" in s],
+                     [s["util_pct"] for s in samples if "util_pct" in s], label=name)
+        ax_mem.plot([s["time"] - start for s in samples if "mem_used_mib" in s],
+                    [s["mem_used_mib"] / 1024 for s in samples if "mem_used_mib" in s], label=name)
+    ax_util.set(title="GPU utilization", xlabel="seconds", ylabel="%", ylim=(0, 105))
+    ax_mem.set(title="GPU memory used", xlabel="seconds", ylabel="GiB")
+    ax_util.legend(fontsize="small")
+    figures.save(fig, "gpu.png")
 
 
 def _plot_shares(ax: Any, plans: list[PlanRecord], end: int, mode: Optional[str]) -> None:

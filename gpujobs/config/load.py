@@ -25,14 +25,12 @@ from omegaconf.errors import (
 )
 
 from gpujobs.base.errors import ConfigError
+from gpujobs.config.modes import Amp, Balance, NcclDebug, NcclPreset, Optimizer, Schedule, Tracker
 from gpujobs.config.schema import (
-    AMP_MODES,
     CLUSTERS,
     KEY_ALIASES,
     MAX_WAIT_S,
-    OPTIMIZERS,
     PLUGINS,
-    SCHEDULES,
     SECTIONS,
     SLURM_LIMIT_CHECK_S,
     SLURM_MAX_SIGNAL_LEAD_S,
@@ -47,26 +45,31 @@ from gpujobs.config.schema import (
     parse_time_minutes,
 )
 from gpujobs.config.trackers import TRACKERS, LoggerConfig, MlflowConfig, TensorBoardConfig
+from gpujobs.config.validate import choice, is_choice
 
 __all__ = [
-    "AMP_MODES",
     "CLUSTERS",
     "KEY_ALIASES",
     "MAX_WAIT_S",
-    "OPTIMIZERS",
-    "SCHEDULES",
     "SLURM_LIMIT_CHECK_S",
     "SLURM_MAX_SIGNAL_LEAD_S",
+    "Amp",
+    "Balance",
     "CheckpointConfig",
     "ClusterConfig",
     "JobConfig",
     "LoggerConfig",
     "MlflowConfig",
+    "NcclDebug",
+    "NcclPreset",
     "OptimConfig",
+    "Optimizer",
     "ResourcesConfig",
+    "Schedule",
     "ScriptConfig",
     "TelemetryConfig",
     "TensorBoardConfig",
+    "Tracker",
     "TrainerConfig",
     "load_config",
     "override_keys",
@@ -95,8 +98,9 @@ def _fields(schema: type[Any]) -> dict[str, tuple[Any, bool]]:
 
 def _exact(hint: Any, value: Any) -> Any:
     """`value` as OmegaConf's merge would give it for a field typed `hint`, where that takes no conversion
-    (an int for a float is widened, as OmegaConf does); `_NO_FIT` for anything else: a string, bool
-    or None where a number is due, `???`, an unresolved `${...}`, an enum, a nested dataclass."""
+    (an int for a float is widened, as OmegaConf does; a choice's text is left to its check, which makes it
+    the member); `_NO_FIT` for anything else: a string, bool or None where a number is due, `???`, an
+    unresolved `${...}`, a nested dataclass."""
     origin = typing.get_origin(hint)
     if origin is typing.Union:
         args = typing.get_args(hint)
@@ -109,7 +113,7 @@ def _exact(hint: Any, value: Any) -> Any:
         return value if kind is hint else _NO_FIT
     if hint is float:
         return float(value) if kind in (int, float) else _NO_FIT
-    if hint is str:
+    if hint is str or is_choice(hint):
         return value if kind is str and value != "???" and "${" not in value else _NO_FIT
     if origin is list and kind is list:
         (item,) = typing.get_args(hint)
@@ -152,6 +156,9 @@ def _merged_section(key: str, schema: type[Any], values: Any) -> Any:
         # OmegaConf takes any integer for a bool (3 -> true): a typo, or a count put in the wrong key
         if hint in (bool, typing.Optional[bool]) and type(value) is int and value not in (0, 1):
             raise ConfigError(f"{key}.{name}", value, "true or false (or 1/0)")
+        choices = _choices(hint)
+        if choices is not None and value is not None:  # OmegaConf knows a member by its name, not its value
+            values = {**values, name: choice(f"{key}.{name}", choices, value, hint is not choices)}
     try:
         if schema not in _schemas:  # merge copies it; building it from the dataclass is half the cost
             _schemas[schema] = OmegaConf.structured(schema)
@@ -171,6 +178,12 @@ def _merged_section(key: str, schema: type[Any], values: Any) -> Any:
         raise ConfigError(f"{key}.{full_key}", value, f"a value of type {ftype}") from None
     except ConfigError as err:
         raise err.under(key) from None
+
+
+def _choices(hint: Any) -> Any:
+    """The choice (`gpujobs.config.modes`) a field typed `hint` takes, Optional or not; else None."""
+    inner = [arg for arg in typing.get_args(hint) if arg is not type(None)] or [hint]
+    return inner[0] if len(inner) == 1 and is_choice(inner[0]) else None
 
 
 def _lookup(values: dict[str, Any], dotted: str) -> Any:
@@ -229,7 +242,8 @@ def _logger(values: Any) -> LoggerConfig:
     for name in values:
         if name not in TRACKERS:
             raise ConfigError(f"logger.{name}", values[name], f"trackers: {names} (logger=[{names}] selects both)")
-    return LoggerConfig(**{name: None if section is None else _section(f"logger.{name}", TRACKERS[name], section)
+    return LoggerConfig(**{name: None if section is None
+                           else _section(f"logger.{name}", TRACKERS[Tracker(name)], section)
                            for name, section in values.items()})
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Optional
 
 from gpujobs.base.errors import ConfigError
+from gpujobs.config.modes import NcclDebug, NcclPreset
 from gpujobs.config.validate import Checked, bounds
 from gpujobs.rundir import NCCL_DIR
 from gpujobs.rundir.trust import own_dir
@@ -67,7 +68,6 @@ _MAX_BYTES = 2**63 - 1
 _DIGITS = re.compile(r"[0-9]+")
 _TRUTH = {"1": "1", "true": "1", "yes": "1", "on": "1", "0": "0", "false": "0", "no": "0", "off": "0"}
 
-DEBUG_LEVELS = ("VERSION", "WARN", "INFO", "TRACE")
 # Interface lists as NCCL reads them: optional ^ (exclude), then = (exact names), comma-separated names.
 _IFNAME = re.compile(r"\^?=?[A-Za-z0-9_.:-]+(,[A-Za-z0-9_.:-]+)*")
 _SAFE_VALUE = re.compile(r"[A-Za-z0-9_.,:=^/+-]*")
@@ -86,20 +86,14 @@ TYPED_VARS = {
 }
 
 
-def _debug_level(value: object) -> bool:
-    return isinstance(value, str) and value.upper() in DEBUG_LEVELS
-
-
 @dataclass
 class NcclSettings(Checked):
     """NCCL knobs for multi-GPU jobs; unset fields leave NCCL's own defaults alone."""
 
-    preset: str = "default"
-    """Name of the preset these values came from (informational)."""
-    debug: Optional[str] = field(
-        default=None, metadata=bounds(valid=_debug_level, allowed=f"one of {', '.join(DEBUG_LEVELS)}")
-    )
-    """NCCL_DEBUG: VERSION, WARN, INFO or TRACE."""
+    preset: NcclPreset = NcclPreset.default
+    """Name of the preset these values came from (informational): default | ethernet | infiniband | debug."""
+    debug: Optional[NcclDebug] = None
+    """NCCL_DEBUG: VERSION, WARN, INFO or TRACE (in any case)."""
     debug_subsys: Optional[str] = field(default=None, metadata=bounds(pattern=_SAFE_VALUE, allowed=_SAFE_TEXT))
     """NCCL_DEBUG_SUBSYS, e.g. INIT,NET."""
     socket_ifname: Optional[str] = field(
@@ -147,7 +141,7 @@ class NcclSettings(Checked):
         if run_dir is not None:
             env.update(self._output_files(run_dir))
         named = {
-            "debug": self.debug.upper() if self.debug else None,
+            "debug": self.debug.value if self.debug else None,
             "debug_subsys": self.debug_subsys,
             "socket_ifname": self.socket_ifname,
             "ib_disable": _flag(self.ib_disable),

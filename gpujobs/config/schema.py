@@ -15,6 +15,7 @@ import os
 import re
 import stat
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Any, Optional
 
@@ -24,6 +25,7 @@ from gpujobs.config.cluster import DIR_NAME, DIR_NAME_TEXT, ClusterConfig, Resou
 from gpujobs.config.cluster import SLURM_LIMIT_CHECK_S as SLURM_LIMIT_CHECK_S
 from gpujobs.config.cluster import SLURM_MAX_SIGNAL_LEAD_S as SLURM_MAX_SIGNAL_LEAD_S
 from gpujobs.config.cluster import parse_time_minutes as parse_time_minutes
+from gpujobs.config.modes import Amp, Balance, Optimizer, Schedule
 from gpujobs.config.nccl import NcclSettings
 from gpujobs.config.trackers import LoggerConfig
 from gpujobs.config.validate import NAME_MAX, Checked, bounds, is_host
@@ -43,10 +45,6 @@ MAX_PG_TIMEOUT_S = (2**31 - 1) // 1000
 #: evidence: torch's own collective timeout (`trainer.pg_timeout_s`) must leave it that long.
 HANG_EVIDENCE_S = 30
 
-SCHEDULES = ("constant", "cosine", "linear")
-OPTIMIZERS = ("adam", "adamw", "sgd")
-AMP_MODES = ("auto", "bf16", "off")
-BALANCE_MODES = ("off", "static", "dynamic", "replay")
 #: The largest relative weight of a rank or a GPU model in static balancing: the plan divides by the sum
 #: of the weights, which must stay finite (two weights of 1e308 add up to inf); a million to one is
 #: already more imbalance than any split of a batch can show.
@@ -57,7 +55,7 @@ MAX_BALANCE_WEIGHT = 10**6
 class OptimConfig(Checked):
     """Optimizer and learning-rate schedule."""
 
-    name: str = field(default="adam", metadata=bounds(one_of=OPTIMIZERS))
+    name: Optimizer = Optimizer.adam
     """adam | adamw | sgd."""
     lr: float = field(default=1e-3, metadata=bounds(gt=0))
     """Peak learning rate."""
@@ -67,7 +65,7 @@ class OptimConfig(Checked):
     """SGD momentum (torch.optim.SGD refuses a negative one)."""
     warmup_steps: int = field(default=0, metadata=bounds(ge=0))
     """Linear warm-up steps from 0 to lr."""
-    schedule: str = field(default="constant", metadata=bounds(one_of=SCHEDULES))
+    schedule: Schedule = Schedule.constant
     """After warm-up: constant | cosine | linear (decay to min_lr_ratio * lr at max_steps)."""
     min_lr_ratio: float = field(default=0.1, metadata=bounds(ge=0, le=1))
     """Final learning rate as a fraction of lr for cosine and linear schedules."""
@@ -85,7 +83,7 @@ class TrainerConfig(Checked):
     """Micro-batches per optimizer step (gradients synced on the last only)."""
     grad_clip: Optional[float] = field(default=1.0, metadata=bounds(gt=0))
     """Clip the global gradient norm to this value (null: no clipping)."""
-    amp: str = field(default="auto", metadata=bounds(one_of=AMP_MODES))
+    amp: Amp = Amp.auto
     """auto (bf16 on GPUs of compute capability 8.0+, fp32 on older GPUs and the CPU) | bf16 | off."""
     eval_every: int = field(default=100, metadata=bounds(ge=0))
     """Evaluate every N steps (0: only at the end)."""
@@ -110,7 +108,7 @@ class TrainerConfig(Checked):
     """Steps between the ranks' agreement on a pending USR2 (a tiny all-reduce); the stop itself loses no step."""
     progress: bool = True
     """Show a progress bar when the output is a terminal."""
-    balance: str = field(default="off", metadata=bounds(one_of=BALANCE_MODES))
+    balance: Balance = Balance.off
     """How each step's global batch is split across ranks: off (equal shares) | static (balance_shares or
     balance_gpu_weights) | dynamic (shares follow each rank's measured compute time per sample) | replay
     (the plan history of the finished dynamic run in balance_replay)."""
@@ -144,25 +142,26 @@ class TrainerConfig(Checked):
                 f"{HANG_EVIDENCE_S} s for the evidence), or trainer.hang_timeout_s=0",
             )
         # each is read by one mode only: set under another, it would be silently ignored
-        for name, value, mode in (("balance_shares", self.balance_shares, "static"),
-                                  ("balance_gpu_weights", self.balance_gpu_weights, "static"),
-                                  ("balance_replay", self.balance_replay, "replay")):
+        for name, value, mode in (("balance_shares", self.balance_shares, Balance.static),
+                                  ("balance_gpu_weights", self.balance_gpu_weights, Balance.static),
+                                  ("balance_replay", self.balance_replay, Balance.replay)):
             if value and self.balance != mode:
                 allowed = f"only with trainer.balance={mode}, which reads it (balance is {self.balance})"
                 raise ConfigError(name, value, allowed)
-        if self.balance == "replay" and not self.balance_replay:
+        if self.balance == Balance.replay and not self.balance_replay:
             raise ConfigError("balance_replay", self.balance_replay, "the run dir of a finished dynamic run")
         if self.balance_replay:  # the ranks may start in another directory
             self.balance_replay = str(Path(self.balance_replay).expanduser().absolute())
-        if self.balance == "static" and not self.balance_shares and not self.balance_gpu_weights:
+        if self.balance == Balance.static and not self.balance_shares and not self.balance_gpu_weights:
             raise ConfigError("balance_shares", self.balance_shares, "one weight per rank (or balance_gpu_weights)")
         for name, weight in self.balance_gpu_weights.items():
             if not (math.isfinite(weight) and 0 < weight <= MAX_BALANCE_WEIGHT):
                 raise ConfigError(f"balance_gpu_weights.{name}", weight, f"a weight in (0, {MAX_BALANCE_WEIGHT}]")
 
 
-#: Config keys that are Python keywords, by section: the key users write -> the schema's field name.
-KEY_ALIASES: dict[str, dict[str, str]] = {"checkpoint": {"async": "async_"}}
+#: Config keys that are Python keywords, by section: the key users write -> the schema's field name. The one
+#: place where a key and its field's name differ (`gpujobs.config.load` renames going in, `to_dict` going out).
+KEY_ALIASES: dict[str, dict[str, str]] = {"checkpoint": {"async": "background"}}
 
 
 @dataclass
@@ -177,7 +176,7 @@ class CheckpointConfig(Checked):
     """Start from the newest complete checkpoint in the run dir, if any. false: this submission starts
     from scratch, refused where the run dir holds checkpoints; its own later attempts (a requeue, a
     restart) still resume from what it saved."""
-    async_: bool = False
+    background: bool = False
     """Key `checkpoint.async`: periodic saves block training only while the state is copied to host memory;
     writing, fsync, verification and publishing run in the background (one in flight). A save at a
     preemption or at the end is synchronous."""
@@ -265,6 +264,11 @@ class ScriptConfig(Checked):
             raise ConfigError("cwd", self.cwd, "an existing directory, or null")
 
 
+def _plain_values(items: list[tuple[str, Any]]) -> dict[str, Any]:
+    """`dataclasses.asdict`'s dict, a choice (`gpujobs.config.modes`) as its plain value."""
+    return {name: value.value if isinstance(value, Enum) else value for name, value in items}
+
+
 #: The sections every job has, by key, with their schemas (model and data are plug-ins: `_target_`).
 SECTIONS: dict[str, type[Any]] = {
     "cluster": ClusterConfig,
@@ -326,7 +330,7 @@ class JobConfig(Checked):
     def _check_shares(self) -> None:
         """Static shares are one weight per rank of the one world size the job can start at."""
         shares, res = self.trainer.balance_shares, self.resources
-        if self.trainer.balance != "static" or not shares:
+        if self.trainer.balance != Balance.static or not shares:
             return
         if res.least_nodes < res.nodes:
             sizes = f"{res.least_nodes * res.ranks_per_node} to {res.world_size}"
@@ -340,13 +344,14 @@ class JobConfig(Checked):
             raise ConfigError("trainer.balance_shares", shares, f"one weight per rank ({res.world_size} ranks)")
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain dict of the resolved config (what config.yaml holds)."""
-        out = dataclasses.asdict(self)
+        """Plain dict of the resolved config (what config.yaml holds): keys as users write them, a choice as
+        its value."""
+        out = dataclasses.asdict(self, dict_factory=_plain_values)
         for section, aliases in KEY_ALIASES.items():
             out[section] = {next((k for k, f in aliases.items() if f == name), name): v
                             for name, v in out[section].items()}
         for key in PLUGINS:
-            out[key] = dataclasses.asdict(getattr(self, key))
+            out[key] = dataclasses.asdict(getattr(self, key), dict_factory=_plain_values)
         if self.script is None:
             out.pop("script")
         return out

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from gpujobs.base.errors import ConfigError
+from gpujobs.config.modes import Tracker
 from gpujobs.config.validate import Checked, bounds
 
 #: MLflow tracking URIs gpujobs accepts, by scheme (`postgresql+psycopg2://` counts as postgresql): a tracking
@@ -106,7 +107,7 @@ class MlflowConfig(Checked):
 
 
 #: The trackers `logger` may select, by key, with their schemas.
-TRACKERS: dict[str, type[Any]] = {"tensorboard": TensorBoardConfig, "mlflow": MlflowConfig}
+TRACKERS: dict[Tracker, type[Any]] = {Tracker.tensorboard: TensorBoardConfig, Tracker.mlflow: MlflowConfig}
 
 
 @dataclass
@@ -121,7 +122,7 @@ class LoggerConfig(Checked):
     """MLflow's settings; set (by `logger=mlflow`) means on."""
 
     @property
-    def selected(self) -> list[str]:
+    def selected(self) -> list[Tracker]:
         """The trackers that are on, in `TRACKERS` order."""
         return [name for name in TRACKERS if getattr(self, name) is not None]
 
@@ -131,8 +132,8 @@ class LoggerConfig(Checked):
         if self.tensorboard is not None:
             self.tensorboard.check_writable()
         for name in self.selected:
-            needed = [name]
-            if name == "mlflow" and self.mlflow is not None and self.mlflow.tracking_uri is not None and (
+            needed = [name.value]
+            if name == Tracker.mlflow and self.mlflow is not None and self.mlflow.tracking_uri is not None and (
                     mlflow_scheme(self.mlflow.tracking_uri) in MLFLOW_DB_SCHEMES):
                 needed += ["sqlalchemy", "alembic"]  # mlflow-skinny opens a database store only with these
             missing = [module for module in needed if importlib.util.find_spec(module) is None]

@@ -23,6 +23,7 @@ import re
 import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any, Optional
 
 from gpujobs.base.errors import ConfigError
@@ -71,7 +72,8 @@ def bounds(
     """Field metadata declaring what the field accepts (`field(default=..., metadata=bounds(...))`).
 
     ge/gt/le/lt bound a number, or each number of a list (which also needs `min_len` items); `one_of`
-    lists the accepted strings; `pattern` must match a whole string; `valid(value)` is any other test,
+    lists the accepted strings (a field typed with a `gpujobs.config.modes` choice has its values without
+    saying so); `pattern` must match a whole string; `valid(value)` is any other test,
     described by `allowed`. The error's allowed text is derived from these (`allowed` replaces it,
     `note` is added in parentheses). `any_text` lets a string hold control characters but NUL (an argv
     item, which reaches no parser, only exec). A None value passes where the field is Optional.
@@ -212,9 +214,12 @@ def _rules_of(schema: type[Any]) -> tuple[_Rule, ...]:
                 hint = inner[0] if len(inner) == 1 else object
             origin = typing.get_origin(hint) or hint
             args = typing.get_args(hint)
-            kind = origin if origin in (int, float, str, bool, list, dict) else object
+            kind = origin if origin in (int, float, str, bool, list, dict) or is_choice(origin) else object
             item = args[-1] if args else None
-            rule = _Rule(f.name, kind, item, optional, f.metadata.get(_KEY))
+            declared_bounds = f.metadata.get(_KEY)
+            if is_choice(kind) and declared_bounds is None:
+                declared_bounds = Bounds(one_of=choice_values(kind))
+            rule = _Rule(f.name, kind, item, optional, declared_bounds)
             rules.append(dataclasses.replace(rule, ok=_quick_test(rule)))
         _rules[schema] = tuple(rules)
     return _rules[schema]
@@ -244,6 +249,8 @@ def _quick_test(rule: _Rule) -> Callable[[Any], bool]:
             return lambda v: (type(v) is str and search(v) is None and fullmatch(v) is not None) or (
                 v is None and none_ok)
         return lambda v: (type(v) is str and search(v) is None) or (v is None and none_ok)
+    if is_choice(kind):
+        return lambda v: type(v) is kind or (v is None and none_ok)
     if kind in (bool, object) and b is None:
         return lambda v: True
     return lambda v: False
@@ -258,6 +265,8 @@ def _check(rule: _Rule, value: Any) -> Any:
         return value
     if rule.kind is float or rule.kind is int:
         return _check_number(rule, value, rule.kind)
+    if is_choice(rule.kind):
+        return choice(rule.name, rule.kind, value, rule.optional)
     if rule.kind is str:
         _check_str(rule, value)
     elif rule.kind is list and not isinstance(value, (str, bytes)) and isinstance(value, Sequence):
@@ -277,6 +286,31 @@ def _check(rule: _Rule, value: Any) -> Any:
     if b is not None and b.valid is not None and not b.valid(value):
         raise ConfigError(rule.name, value, allowed_text(b, rule.kind, rule.item, rule.optional))
     return value
+
+
+def is_choice(kind: Any) -> bool:
+    """Whether a field's type is a fixed choice (a `StrEnum` of `gpujobs.config.modes`)."""
+    return isinstance(kind, type) and issubclass(kind, StrEnum)
+
+
+def choice_values(choices: Any) -> tuple[str, ...]:
+    """The values a choice takes, in declaration order."""
+    return tuple(member.value for member in choices)
+
+
+def choice(name: str, choices: type[StrEnum], value: Any, optional: bool = False) -> StrEnum:
+    """The member of `choices` that `value` (a member, or its value as text) is; ConfigError naming `name`
+    and the values (and null where the field is `optional`) for anything else. Text with a control
+    character is refused as any text is."""
+    if isinstance(value, choices):
+        return value
+    if isinstance(value, str):
+        check_text(name, value)
+    try:
+        return choices(value)
+    except ValueError:
+        allowed = allowed_text(Bounds(one_of=choice_values(choices)), str, None, optional)
+        raise ConfigError(name, value, allowed) from None
 
 
 def _check_number(rule: _Rule, value: Any, kind: Any, whole: Any = None) -> Any:

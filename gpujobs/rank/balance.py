@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from gpujobs.base.errors import GpujobsError
-from gpujobs.config.load import TrainerConfig
+from gpujobs.config.load import Balance, TrainerConfig
+from gpujobs.rundir.records import PlanRecord
 from gpujobs.rundir.resume import NoPlanHistory, plan_history, plan_misfit
 
 log = logging.getLogger(__name__)
@@ -119,7 +120,7 @@ class Balancer:
     def __post_init__(self) -> None:
         self.shares = self._initial_shares()
         self.plan = SplitPlan(self._counts(self.shares))
-        misfit = plan_misfit(self.replay, self.world, self.micro_batch) if self.mode == "replay" else None
+        misfit = plan_misfit(self.replay, self.world, self.micro_batch) if self.mode == Balance.replay else None
         if misfit is not None:  # refused as the run starts, not at the misfit's step (the submit side asked too)
             counts = [int(c) for c in misfit["counts"]]
             raise BalanceError(
@@ -129,8 +130,8 @@ class Balancer:
 
     @property
     def mode(self) -> str:
-        """off | static | dynamic | replay."""
-        return self.cfg.balance
+        """off | static | dynamic | replay, as plain text (what checkpoints and metrics keep)."""
+        return self.cfg.balance.value
 
     # ------------------------------------------------------------------ plans
     def _floor(self) -> float:
@@ -140,7 +141,7 @@ class Balancer:
         return counts_from_shares(shares, self.micro_batch)
 
     def _initial_shares(self) -> list[float]:
-        if self.mode != "static":
+        if self.mode != Balance.static:
             return equal_shares(self.world)
         if self.cfg.balance_shares:
             if len(self.cfg.balance_shares) != self.world:
@@ -158,25 +159,26 @@ class Balancer:
 
     def _change(
         self, step: int, shares: list[float], reason: str, counts: Optional[list[int]] = None
-    ) -> dict[str, Any]:
+    ) -> PlanRecord:
         self.shares = shares
         self.plan = SplitPlan(counts if counts is not None else self._counts(shares))
-        entry = {"step": step, "reason": reason, "shares": [round(s, 6) for s in shares],
-                 "counts": list(self.plan.counts)}
-        self.history.append(entry)
-        return {"kind": "plan", "mode": self.mode, **entry}
+        record = PlanRecord(step=step, mode=self.mode, reason=reason, shares=[round(s, 6) for s in shares],
+                            counts=list(self.plan.counts))
+        # the checkpoint's history: the plan without its mode, which the history states once
+        self.history.append({"step": step, "reason": reason, "shares": record.shares, "counts": record.counts})
+        return record
 
-    def start(self, step: int, resumed: bool) -> dict[str, Any]:
+    def start(self, step: int, resumed: bool) -> PlanRecord:
         """The plan record of a start (from scratch, or after a resume that restored the state)."""
-        if self.mode == "replay":
+        if self.mode == Balance.replay:
             found = self.replay_at(step)
             if found is not None:
                 return found
         return self._change(step, self.shares, self.resume_reason if resumed else "start", self.plan.counts)
 
-    def replay_at(self, step: int) -> Optional[dict[str, Any]]:
+    def replay_at(self, step: int) -> Optional[PlanRecord]:
         """replay: the recorded plan that applies from `step` on, if it differs from the current one."""
-        if self.mode != "replay":
+        if self.mode != Balance.replay:
             return None
         applicable = [entry for entry in self.replay if entry["step"] <= step]
         if not applicable:
@@ -187,12 +189,12 @@ class Balancer:
             return None
         return self._change(step, [float(s) for s in entry["shares"]], "replay", counts)
 
-    def update(self, step: int, compute_s: Sequence[float], samples: Sequence[float]) -> Optional[dict[str, Any]]:
+    def update(self, step: int, compute_s: Sequence[float], samples: Sequence[float]) -> Optional[PlanRecord]:
         """dynamic: move the shares toward the measured speeds (the gathered window, same on every rank).
 
         Returns the plan record when the counts change, else None.
         """
-        if self.mode != "dynamic" or self.world < 2:
+        if self.mode != Balance.dynamic or self.world < 2:
             return None
         if any(t <= 0 for t in compute_s) or any(n <= 0 for n in samples):
             return None
@@ -226,7 +228,7 @@ class Balancer:
         self.history = list(state.get("history", []))
         same = (state.get("world") == self.world and state.get("micro_batch") == self.micro_batch
                 and state.get("mode") == self.mode)
-        if same and self.mode == "static":
+        if same and self.mode == Balance.static:
             saved = [int(c) for c in state["counts"]]
             if saved == self.plan.counts:
                 return True

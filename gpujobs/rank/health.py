@@ -130,9 +130,7 @@ def gate(
 
     verdict = check(job.cluster, info, device, ranks)
     if info.is_main:
-        record = dataclasses.asdict(health_record(verdict, job.cluster, info.world_size))
-        del record["time"]  # the log stamps each line itself
-        metrics.write({"kind": "health", **record})
+        metrics.write(health_record(verdict, job.cluster, info.world_size))
     if verdict.healthy:
         return verdict.health_s
     if info.is_main:

@@ -5,11 +5,12 @@ from __future__ import annotations
 import hashlib
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
 from gpujobs.base.atomic import JsonlAppender
+from gpujobs.rundir.records import MetricsRecord, metrics_line
 
 
 class MetricsLog:
@@ -21,11 +22,11 @@ class MetricsLog:
         # held open for the whole run (one line per log step); closed by `close`
         self._out = JsonlAppender(path) if path is not None else None
 
-    def write(self, record: dict[str, Any]) -> None:
-        """Append `record` with a wall-clock timestamp (no-op on ranks other than 0)."""
+    def write(self, record: MetricsRecord) -> None:
+        """Append `record`'s line, stamped with the wall-clock time (no-op on ranks other than 0)."""
         if self._out is None:
             return
-        self._out.append([{"time": round(time.time(), 3), **record}])
+        self._out.append([{**metrics_line(record), "time": round(time.time(), 3)}])
 
     def close(self) -> None:
         """Close the file."""

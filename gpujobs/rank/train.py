@@ -128,7 +128,7 @@ class TrainJob:
         ckpt = job.checkpoint
         checkpoints = CheckpointManager(
             run_dir / CHECKPOINT_DIR, ckpt.every_steps, ckpt.keep, info.rank,
-            world_size=info.world_size, async_save=ckpt.async_,
+            world_size=info.world_size, async_save=ckpt.background,
         )
         cleanup.callback(checkpoints.close)
         attempt.trainer = Trainer(

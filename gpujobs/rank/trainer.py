@@ -28,6 +28,7 @@ from gpujobs.rank.precision import autocast_dtype, describe, emulated_bf16
 from gpujobs.rank.rng import reseed_rank, rng_state, set_rng_state
 from gpujobs.rank.task import Task
 from gpujobs.rundir.heartbeat import NoBeat
+from gpujobs.rundir.records import CheckpointRecord, EvalRecord, MetricsRecord, PlanRecord, TrainRecord
 from gpujobs.rundir.resume import check_same_run
 
 log = logging.getLogger(__name__)
@@ -66,7 +67,7 @@ class Trainer:
         task: Task,
         checkpoints: CheckpointManager,
         metrics: MetricsLog,
-        on_step: Optional[Callable[[int, dict[str, Any]], None]] = None,
+        on_step: Optional[Callable[[int, MetricsRecord], None]] = None,
         telemetry: Optional[Telemetry] = None,
         preemption: Optional[PreemptionWatcher] = None,
         heartbeat: Optional[NoBeat] = None,
@@ -217,8 +218,7 @@ class Trainer:
             self.saved = str(path)
 
     def _record_save(self, background: bool, blocking_s: float) -> None:
-        record = {"kind": "checkpoint", "step": self.step, "async": background, "blocking_s": round(blocking_s, 6)}
-        self.telemetry.step(record)
+        record = self.telemetry.step(CheckpointRecord(self.step, round(blocking_s, 6), background))
         self.metrics.write(record)
 
     # ------------------------------------------------------------------ loop
@@ -307,7 +307,7 @@ class Trainer:
                 self.beat.phase = "checkpoint"
                 self._published(self.checkpoints.poll())
             if self.checkpoints.should_save(self.step, cfg.max_steps):
-                if self.job.checkpoint.async_ and self.step < cfg.max_steps:
+                if self.job.checkpoint.background and self.step < cfg.max_steps:
                     self.save_async()
                 else:
                     self.save()
@@ -349,11 +349,10 @@ class Trainer:
         self.beat.phase = "collective"
         return self.preemption.should_stop()
 
-    def _write(self, record: Optional[dict[str, Any]]) -> None:
+    def _write(self, record: Optional[PlanRecord]) -> None:
         """A plan record (or None: nothing changed) to the metrics, on rank 0."""
         if record is not None:
-            log.info("split plan from step %d (%s): %s rows per rank", record["step"], record["reason"],
-                     record["counts"])
+            log.info("split plan from step %d (%s): %s rows per rank", record.step, record.reason, record.counts)
             self.metrics.write(record)
 
     def _take_compute(self, times: StepTimes) -> None:
@@ -385,21 +384,19 @@ class Trainer:
         ) / times.steps
         self.beat.phase = "collective"
         table = collectives.all_gather_rows(mine)  # world size x 5, on the CPU whatever the backend
-        record = {
-            "kind": "train",
-            "step": self.step,
+        record = self.telemetry.step(TrainRecord(
+            step=self.step,
             # each rank's loss is weighted by its share times the world size: their mean is the global batch's
-            "loss": round(float(table[:, 2].mean()), 6),
-            "lr": self.scheduler.get_last_lr()[0],
-            "samples_per_s": round(self.global_batch * times.steps / elapsed, 2),
-            "step_time_s": [round(float(x), 6) for x in table[:, 0]],
-            "data_time_s": [round(float(x), 6) for x in table[:, 1]],
-            "local_time_s": [round(float(x), 6) for x in table[:, 3]],
-            "compute_s_per_sample": [round(float(x), 9) for x in table[:, 4]] if self.timed else [],
-            "counts": list(self.balancer.plan.counts),
-            "balance": self.balancer.mode,
-        }
-        self.telemetry.step(record)
+            loss=round(float(table[:, 2].mean()), 6),
+            lr=float(self.scheduler.get_last_lr()[0]),
+            samples_per_s=round(self.global_batch * times.steps / elapsed, 2),
+            step_time_s=[round(float(x), 6) for x in table[:, 0]],
+            data_time_s=[round(float(x), 6) for x in table[:, 1]],
+            local_time_s=[round(float(x), 6) for x in table[:, 3]],
+            compute_s_per_sample=[round(float(x), 9) for x in table[:, 4]] if self.timed else [],
+            counts=list(self.balancer.plan.counts),
+            balance=self.balancer.mode,
+        ))
         self.metrics.write(record)
         self.on_step(self.step, record)
 
@@ -409,8 +406,7 @@ class Trainer:
         if self.info.is_main:
             self.beat.phase = "eval"
             results = {k: round(float(v), 6) for k, v in self.task.evaluate(self.model, self.device).items()}
-            record = {"kind": "eval", "step": self.step, **results}
-            self.telemetry.step(record)
+            record = self.telemetry.step(EvalRecord(self.step, results))
             self.metrics.write(record)
             self.on_step(self.step, record)
         self._barrier()

@@ -24,6 +24,7 @@ Torch-free.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import faulthandler
 import json
 import logging
@@ -35,11 +36,13 @@ import stat
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Optional
 
 from gpujobs.base.process import alive
 from gpujobs.rundir import HEARTBEAT_DIR
+from gpujobs.rundir.lines import from_line, to_line
 from gpujobs.rundir.trust import open_own, own_dir
 
 log = logging.getLogger(__name__)
@@ -60,6 +63,32 @@ NCCL_PIPE_STEM = "nccl_pipe_rank_"
 #: A rank's pipe dir is `<$TMPDIR>/<prefix><pid namespace>-<pid>-<random>`: a dir left by a killed rank is
 #: known by its pid, and only in the pid namespace that numbers it.
 _PIPE_DIR_PREFIX = "gpujobs-nccl-pipe-"
+
+
+@dataclass(frozen=True)
+class Beat:
+    """What a rank's heartbeat file says: which process of which run wrote it, and how far it got."""
+
+    rank: int
+    pid: int
+    node: str
+    host: str
+    """The host name the rank's process runs on (the evidence reaches its stack from there)."""
+    instance: str
+    """The run of the job this process belongs to (`instance`): a stale file of an earlier attempt says another."""
+    started: float
+    """When the rank started (epoch seconds)."""
+    step: int = 0
+    start_step: int = 0
+    """The step this attempt began at (its checkpoint's)."""
+    phase: str = "start"
+    """One of `PHASES`."""
+    trained_from: Optional[float] = None
+    """When its first training step began (epoch seconds; None before it)."""
+    beats: int = 0
+    """How many times the rank's thread has written the file: a counter that stops is a process that stopped."""
+    flight_recorder: bool = False
+    """Whether torch made the flight recorder's request pipe (a dump can be asked for)."""
 
 
 def interval_for(hang_timeout_s: float) -> float:
@@ -139,10 +168,8 @@ class Heartbeat(NoBeat):
         self.rank = rank
         self.interval_s = interval_s
         self.path = heartbeat_path(run_dir, rank)
-        self._identity = {
-            "rank": rank, "pid": os.getpid(), "node": node, "host": socket.gethostname(),
-            "instance": instance(), "started": round(time.time(), 3),
-        }
+        self._identity = Beat(rank=rank, pid=os.getpid(), node=node, host=socket.gethostname(), instance=instance(),
+                              started=round(time.time(), 3))
         self._beats = 0
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -170,10 +197,11 @@ class Heartbeat(NoBeat):
         self._thread.start()
         return self
 
-    def record(self) -> dict[str, Any]:
+    def record(self) -> Beat:
         """What the next write says."""
-        return {**self._identity, "step": self.step, "start_step": self.start_step, "phase": self.phase,
-                "trained_from": self.trained_from, "beats": self._beats, "flight_recorder": self._pipe() is not None}
+        return dataclasses.replace(self._identity, step=self.step, start_step=self.start_step, phase=self.phase,
+                                   trained_from=self.trained_from, beats=self._beats,
+                                   flight_recorder=self._pipe() is not None)
 
     def _pipe(self) -> Optional[Path]:
         """The pipe torch's NCCL monitor made and reads (only where this rank runs NCCL), or None."""
@@ -205,7 +233,7 @@ class Heartbeat(NoBeat):
         if self._fd is None:
             return
         self._beats += 1
-        data = json.dumps(self.record()).encode()
+        data = json.dumps(to_line(self.record())).encode()
         os.pwrite(self._fd, data.ljust(_RECORD_BYTES), 0)
 
     def _run(self) -> None:
@@ -238,10 +266,17 @@ class Heartbeat(NoBeat):
             self.pipe_dir = None
 
 
-def read_heartbeat(path: Path) -> Optional[dict[str, Any]]:
-    """The record in a heartbeat file, or None (absent, or read while being written)."""
+def read_beat(path: Path) -> Optional[Beat]:
+    """The beat in a heartbeat file, or None (absent, read while being written, or no beat)."""
     try:
         value = json.loads(path.read_bytes().strip() or b"null")
     except (OSError, ValueError):
         return None
-    return value if isinstance(value, dict) and isinstance(value.get("rank"), int) else None
+    return from_line(Beat, value)
+
+
+def read_heartbeat(path: Path) -> Optional[dict[str, Any]]:
+    """`read_beat` as the JSON object the file holds (every field, checked), for what keeps the heartbeats
+    as evidence (hang.json)."""
+    beat = read_beat(path)
+    return None if beat is None else to_line(beat)

@@ -59,10 +59,10 @@ class ProgressView:
             self._task = self._bar.add_task(label, total=total_steps, info="")
             self._bar.start()
 
-    def update(self, line: dict[str, Any]) -> None:
-        """Take one metrics line (train or eval); any other line (a plan, a checkpoint, a health check, not a
-        record) is passed over."""
-        record = metrics_record(line)
+    def update(self, line: MetricsRecord | dict[str, Any]) -> None:
+        """Take one metrics record (train or eval), or a metrics.jsonl line as read; any other (a plan, a
+        checkpoint, a health check, a line that holds no record) is passed over."""
+        record = metrics_record(line) if isinstance(line, dict) else line
         if not self.enabled or not isinstance(record, (TrainRecord, EvalRecord)):
             return
         if self._bar is not None:

@@ -1,26 +1,25 @@
 """The records that cross modules, typed once: an attempt (attempts.jsonl), a result (result.json)
 and a metrics line (metrics.jsonl: a train, an eval, a plan, a checkpoint or a health record).
 
-Readers get them from `read_attempts`, `read_result`, `read_metrics` (or `metrics_record` for one
-line), which tolerate what a crash or an older gpujobs left (a torn line is skipped, an unknown key
-ignored), so no reader indexes a raw dict by a string of its own. Submissions are `files.Submission`.
+Writers build the dataclass and serialize it through `gpujobs.rundir.lines.to_line` (`Attempt.to_json`,
+`Result.write`, `metrics_line`); readers get them from `read_attempts`, `read_result`, `read_metrics` (or
+`metrics_record` for one line: the one dispatch on a metrics line's `kind`), which tolerate what a crash or
+an older gpujobs left (a torn line is skipped, an unknown key ignored), so no reader indexes a raw dict by a
+string of its own. Submissions are `files.Submission`; a rank's heartbeat is `heartbeat.Beat`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 import json
-import math
 import sys
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, ClassVar, Optional, Union
 
 from gpujobs.base.atomic import read_jsonl, write_json_atomic
 from gpujobs.rundir import ATTEMPTS_FILE, METRICS_FILE, RESULT_FILE
+from gpujobs.rundir.lines import flat, from_line, key, to_line
 
 #: Why an attempt ended. `hung`: the watchdog found no progress and killed it; `unhealthy`: the health
 #: check at start failed on a node; `cancelled`: a local launcher that was interrupted (Ctrl-C, SIGTERM,
@@ -29,50 +28,6 @@ from gpujobs.rundir import ATTEMPTS_FILE, METRICS_FILE, RESULT_FILE
 REASONS = ("completed", "preempted", "timeout", "failed", "hung", "unhealthy", "cancelled", "interrupted")
 #: Reasons that blame a node: it leaves the job (Slurm's exclude list) before the next attempt.
 NODE_FAULTS = ("hung", "unhealthy")
-
-
-def _known(cls: type[Any], values: dict[str, Any]) -> dict[str, Any]:
-    names = {f.name for f in dataclasses.fields(cls)}
-    return {key: value for key, value in values.items() if key in names}
-
-
-_HINTS: dict[type[Any], dict[str, Any]] = {}
-
-
-def _hints(cls: type[Any]) -> dict[str, Any]:
-    """The fields' declared types, resolved once per class (the annotations are strings here)."""
-    if cls not in _HINTS:
-        _HINTS[cls] = typing.get_type_hints(cls)
-    return _HINTS[cls]
-
-
-def _fits(value: Any, hint: Any) -> bool:
-    """Whether a JSON value is of the type a field declares: an int is a float too, a bool is no
-    number, a float is finite; a list's items are checked, a dict's are not."""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (Union, types.UnionType):
-        return any(_fits(value, arg) for arg in args)
-    if hint is Any:
-        return True
-    if hint is type(None):
-        return value is None
-    if origin is list:
-        return isinstance(value, list) and all(_fits(item, args[0]) for item in value)
-    if origin is dict:
-        return isinstance(value, dict)
-    if hint in (int, float) and (isinstance(value, bool) or not isinstance(value, (int, float))):
-        return False
-    if hint is float:
-        return math.isfinite(value)
-    return isinstance(value, hint)
-
-
-def _typed(cls: type[Any], values: dict[str, Any]) -> Optional[dict[str, Any]]:
-    """The fields of `cls` among `values`, or None when one has another type than its field declares
-    (`"end": "2000"`, `"world_size": null`): such a line is as unreadable as a torn one, and the readers
-    skip it instead of failing on its arithmetic."""
-    known, hints = _known(cls, values), _hints(cls)
-    return known if all(_fits(value, hints[key]) for key, value in known.items()) else None
 
 
 @dataclass(frozen=True)
@@ -136,18 +91,12 @@ class Attempt:
     def from_json(cls, line: dict[str, Any]) -> Optional[Attempt]:
         """The attempt a line of attempts.jsonl holds, or None for a line that is not one (a field
         missing or of the wrong type, an unknown reason)."""
-        fields = _typed(cls, line)
-        if fields is None:
-            return None
-        try:
-            attempt = cls(**fields)
-        except TypeError:  # a required field missing
-            return None
-        return attempt if attempt.reason in REASONS else None
+        attempt = from_line(cls, line)
+        return attempt if attempt is not None and attempt.reason in REASONS else None
 
     def to_json(self) -> dict[str, Any]:
         """The line's JSON object (fields left unset are left out)."""
-        return {key: value for key, value in dataclasses.asdict(self).items() if value not in (None, [])}
+        return to_line(self, drop_empty=True)
 
 
 def read_attempts(run_dir: Path) -> list[Attempt]:
@@ -184,7 +133,7 @@ class Result:
     kind: str = "trainer"
     """trainer, or script (a bring-your-own script)."""
     script: Optional[str] = None
-    metrics: dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict, metadata=flat())
     """The task's final evaluation (the rec job: auc, logloss, oracle_auc), kept flat in the file."""
 
     @property
@@ -200,20 +149,11 @@ class Result:
     @classmethod
     def from_json(cls, values: dict[str, Any]) -> Optional[Result]:
         """The result a result.json object holds, or None for one that is not."""
-        known = {key: value for key, value in _known(cls, values).items() if key != "metrics"}
-        metrics = {
-            key: float(value) for key, value in values.items()
-            if key not in known and isinstance(value, (int, float)) and not isinstance(value, bool)
-        }
-        try:
-            return cls(**known, metrics=metrics)
-        except TypeError:
-            return None
+        return from_line(cls, values)
 
     def to_json(self) -> dict[str, Any]:
         """result.json's object: the fields, with the task's metrics beside them."""
-        out = {key: value for key, value in dataclasses.asdict(self).items() if key != "metrics"}
-        return {**out, **self.metrics}
+        return to_line(self)
 
     def write(self, run_dir: Path) -> None:
         """Write result.json atomically."""
@@ -254,6 +194,7 @@ def read_result(run_dir: Path) -> Optional[Result]:
 class TrainRecord:
     """A train line of metrics.jsonl: the window of steps since the last one."""
 
+    kind: ClassVar[str] = "train"
     step: int
     loss: float
     samples_per_s: float
@@ -279,8 +220,10 @@ class TrainRecord:
 class EvalRecord:
     """An eval line of metrics.jsonl: the task's metrics at a step (the rec job: auc, logloss, oracle_auc)."""
 
+    kind: ClassVar[str] = "eval"
     step: int
-    metrics: dict[str, float]
+    metrics: dict[str, float] = field(metadata=flat())
+    """Kept flat in the line, beside the step."""
     time: float = 0.0
 
 
@@ -288,6 +231,7 @@ class EvalRecord:
 class PlanRecord:
     """A plan line of metrics.jsonl: the split plan of the global batch, written at start and at each change."""
 
+    kind: ClassVar[str] = "plan"
     step: int
     """The first step the plan applies to."""
     mode: str
@@ -306,10 +250,12 @@ class PlanRecord:
 class CheckpointRecord:
     """A checkpoint line of metrics.jsonl: one save, and how long it blocked training."""
 
+    kind: ClassVar[str] = "checkpoint"
     step: int
     blocking_s: float
-    async_: bool = False
-    """Key `async` in the file: whether writing and publishing ran in the background."""
+    background: bool = field(default=False, metadata=key("async"))
+    """Key `async` in the line, as in the config (`checkpoint.async`): whether writing and publishing ran in
+    the background."""
     time: float = 0.0
 
 
@@ -318,6 +264,7 @@ class HealthRecord:
     """A health line of metrics.jsonl: the health check at the start of an attempt (`cluster.health_check`),
     written by rank 0 before any step, whether it passed or not."""
 
+    kind: ClassVar[str] = "health"
     healthy: bool
     health_s: float
     """Seconds the check took."""
@@ -341,36 +288,22 @@ class HealthRecord:
 MetricsRecord = Union[TrainRecord, EvalRecord, PlanRecord, CheckpointRecord, HealthRecord]
 
 
+#: Each metrics record type by the `kind` its lines hold.
+METRICS_KINDS: dict[str, type[MetricsRecord]] = {
+    cls.kind: cls for cls in (TrainRecord, EvalRecord, PlanRecord, CheckpointRecord, HealthRecord)
+}
+
+
 def metrics_record(line: dict[str, Any]) -> Optional[MetricsRecord]:
-    """The record a metrics.jsonl line (or the trainer's own dict of it) holds, or None."""
-    try:
-        if line.get("kind") == "eval":
-            metrics = {
-                k: float(v) for k, v in line.items()
-                if k not in ("kind", "step", "time") and isinstance(v, (int, float)) and not isinstance(v, bool)
-            }
-            return EvalRecord(step=int(line["step"]), metrics=metrics, time=float(line.get("time", 0.0)))
-        if line.get("kind") == "train":
-            fields = _typed(TrainRecord, line)
-            return TrainRecord(**fields) if fields is not None else None
-        if line.get("kind") == "plan":
-            plan = PlanRecord(**_known(PlanRecord, line))
-            # the shares are drawn as numbers: a line that holds anything else is not a plan
-            return dataclasses.replace(plan, shares=[float(v) for v in plan.shares],
-                                       counts=[int(v) for v in plan.counts])
-        if line.get("kind") == "checkpoint":
-            values = {"async_": line["async"], **line} if "async" in line else line
-            save = CheckpointRecord(**_known(CheckpointRecord, values))
-            return dataclasses.replace(save, blocking_s=float(save.blocking_s), async_=bool(save.async_))
-        if line.get("kind") == "health":
-            health = HealthRecord(**_known(HealthRecord, line))
-            bandwidth = None if health.busbw_gbps is None else float(health.busbw_gbps)
-            return dataclasses.replace(health, healthy=bool(health.healthy), health_s=float(health.health_s),
-                                       busbw_gbps=bandwidth, nvml=[str(v) for v in health.nvml],
-                                       faults=[str(v) for v in health.faults])
-    except (KeyError, TypeError, ValueError):
-        return None
-    return None
+    """The record a metrics.jsonl line holds, or None (another kind, or a line that holds no record of its
+    kind: a field missing or of another type)."""
+    cls = METRICS_KINDS.get(line.get("kind"))  # type: ignore[arg-type]
+    return None if cls is None else from_line(cls, line)
+
+
+def metrics_line(record: MetricsRecord) -> dict[str, Any]:
+    """The metrics.jsonl line of a record: its time and kind first, then its fields."""
+    return {"time": record.time, "kind": record.kind, **to_line(record)}
 
 
 def read_metrics(run_dir: Path) -> list[MetricsRecord]:

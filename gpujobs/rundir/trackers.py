@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 from gpujobs.base.atomic import write_json_atomic
 from gpujobs.rundir import TRACKER_FILE
+from gpujobs.rundir.lines import from_line, to_line
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ class TrackerState:
         """The file's content."""
         out: dict[str, Any] = {}
         if self.mlflow is not None:
-            out["mlflow"] = {key: value for key, value in vars(self.mlflow).items() if value is not None}
+            out["mlflow"] = to_line(self.mlflow, drop_empty=True)
         if self.tensorboard_log_dir is not None:
             out["tensorboard"] = {"log_dir": self.tensorboard_log_dir}
         return out
@@ -60,14 +61,10 @@ def read_state(run_dir: Path) -> TrackerState:
         log.warning("%s cannot be read (%s): the trackers open new runs", path, err)
         return TrackerState()
     mlflow, board = values.get("mlflow"), values.get("tensorboard")
-    try:
-        run = None if not isinstance(mlflow, dict) else MlflowRun(
-            str(mlflow["tracking_uri"]), str(mlflow["experiment_id"]), str(mlflow["run_id"]),
-            None if mlflow.get("parent_run_id") is None else str(mlflow["parent_run_id"]),
-        )
-    except KeyError as err:
-        log.warning("%s: its MLflow entry lacks %s: a new MLflow run is opened", path, err)
-        run = None
+    run = from_line(MlflowRun, mlflow)
+    if mlflow is not None and run is None:
+        log.warning("%s: its MLflow entry is no run (a field missing or not text): a new MLflow run is opened",
+                    path)
     log_dir = str(board["log_dir"]) if isinstance(board, dict) and board.get("log_dir") else None
     return TrackerState(run, log_dir)
 

@@ -34,6 +34,7 @@ from gpujobs.base.atomic import write_text_atomic
 from gpujobs.base.nvml import THROTTLE_REASONS
 from gpujobs.rank.observe.straggler import Peer
 from gpujobs.rundir import PROMETHEUS_FILE
+from gpujobs.rundir.records import CheckpointRecord, EvalRecord, MetricsRecord, TrainRecord
 from gpujobs.rundir.trust import read_own
 
 log = logging.getLogger(__name__)
@@ -150,31 +151,29 @@ class PrometheusExporter:
                 write_text_atomic(run_dir / PROMETHEUS_FILE, json.dumps(info) + "\n")
         return url
 
-    def observe(self, record: dict[str, Any]) -> None:
+    def observe(self, record: MetricsRecord) -> None:
         """Update the gauges from a metrics record (train, eval or checkpoint; other kinds are not served)."""
         job = self.job_name
-        kind = record.get("kind")
-        if kind == "eval":
-            for key, value in record.items():
-                if key not in ("kind", "step", "time") and isinstance(value, (int, float)):
-                    self.eval.labels(job, key).set(value)
+        if isinstance(record, EvalRecord):
+            for name, value in record.metrics.items():
+                self.eval.labels(job, name).set(value)
             return
-        if kind == "checkpoint":
+        if isinstance(record, CheckpointRecord):
             self.ckpt_time.labels(job).set_to_current_time()
-            self.ckpt_step.labels(job).set(record["step"])
-            self.ckpt_blocking.labels(job).set(record["blocking_s"])
+            self.ckpt_step.labels(job).set(record.step)
+            self.ckpt_blocking.labels(job).set(record.blocking_s)
             return
-        if kind != "train":
+        if not isinstance(record, TrainRecord):
             return
         self.progress.labels(job).set_to_current_time()
-        self.step.labels(job).set(record["step"])
-        self.loss.labels(job).set(record["loss"])
-        self.samples.labels(job).set(record["samples_per_s"])
-        if "imbalance" in record:
-            self.imbalance.labels(job).set(record["imbalance"])
-        for gauge, key in ((self.step_time, "step_time_s"), (self.data_time, "data_time_s"),
-                           (self.local_time, "local_time_s")):
-            for rank, value in enumerate(record.get(key) or []):
+        self.step.labels(job).set(record.step)
+        self.loss.labels(job).set(record.loss)
+        self.samples.labels(job).set(record.samples_per_s)
+        if record.imbalance is not None:
+            self.imbalance.labels(job).set(record.imbalance)
+        for gauge, per_rank in ((self.step_time, record.step_time_s), (self.data_time, record.data_time_s),
+                                (self.local_time, record.local_time_s)):
+            for rank, value in enumerate(per_rank):
                 gauge.labels(*self._rank_labels(rank)).set(value)
 
     def observe_gpus(self, samples: list[dict[str, Any]]) -> None:

@@ -11,10 +11,13 @@ to spare the clock's hook, it is the host clock's data wait + forward pass, befo
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import statistics
 from dataclasses import dataclass
 from typing import Any, Optional
+
+from gpujobs.rundir.records import TrainRecord
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +56,8 @@ class Peer:
         return f"rank {self.rank} (node {self.node}, {device})"
 
 
-def _counts_text(record: dict[str, Any]) -> str:
-    counts = record.get("counts")
-    return f" (rows per rank now {counts})" if counts else ""
+def _counts_text(record: TrainRecord) -> str:
+    return f" (rows per rank now {record.counts})" if record.counts else ""
 
 
 def imbalance(local_times: list[float]) -> tuple[float, int]:
@@ -77,29 +79,29 @@ class StragglerCheck:
         self.balance = balance
         """trainer.balance: the warning says whether balancing is on."""
 
-    def check(self, record: dict[str, Any]) -> Optional[str]:
-        """Annotate `record`; return the warning text when the slowest rank is over the threshold."""
-        times = record.get("local_time_s") or []
+    def check(self, record: TrainRecord) -> tuple[TrainRecord, Optional[str]]:
+        """`record` with its `imbalance` and `slowest_rank`, and the warning text when the slowest rank is
+        over the threshold (else None)."""
+        times = record.local_time_s
         ratio, slowest = imbalance(times)
-        record["imbalance"] = round(ratio, 3)
-        record["slowest_rank"] = slowest
+        record = dataclasses.replace(record, imbalance=round(ratio, 3), slowest_rank=slowest)
         if ratio <= self.threshold:
-            return None
-        step_s = statistics.median(record.get("step_time_s") or times)
+            return record, None
+        step_s = statistics.median(record.step_time_s or times)
         wait_share = (times[slowest] - statistics.median(times)) / step_s if step_s > 0 else 0.0
         if wait_share < MIN_WAIT_SHARE:
-            return None
+            return record, None
         peer = self.peers[slowest] if slowest < len(self.peers) else Peer(slowest, "?", "?")
         message = (
-            f"straggler at step {record.get('step')}: {peer.where()} is {ratio:.2f}x the median local step time "
+            f"straggler at step {record.step}: {peer.where()} is {ratio:.2f}x the median local step time "
             f"({times[slowest]:.4f} s vs {statistics.median(times):.4f} s; threshold {self.threshold:g}); "
             f"the others wait {wait_share:.0%} of each step for it; {self._balancing(record)}"
         )
         if self.warn:
             log.warning(message)
-        return message
+        return record, message
 
-    def _balancing(self, record: dict[str, Any]) -> str:
+    def _balancing(self, record: TrainRecord) -> str:
         if self.balance == "off":
             return "balancing is off (trainer.balance=dynamic would give it fewer rows)"
         if self.balance == "dynamic":

@@ -21,9 +21,9 @@ from gpujobs.rank.observe.gpu_sampler import GpuSampler, SampleSink
 from gpujobs.rank.observe.prometheus import PrometheusExporter
 from gpujobs.rank.observe.straggler import Peer, StragglerCheck
 from gpujobs.rundir import GPU_FILE
+from gpujobs.rundir.records import MetricsRecord, TrainRecord
 
 log = logging.getLogger(__name__)
-
 
 class Telemetry:
     """Per-rank telemetry state; `Telemetry()` alone is the quiet default (straggler check only)."""
@@ -84,13 +84,15 @@ class Telemetry:
         if self.slow_s:
             time.sleep(self.slow_s)
 
-    def step(self, record: dict[str, Any]) -> None:
-        """A metrics record is about to be written: annotate train records, feed the endpoint (train, eval
-        and checkpoint records: the alerts ask how long ago the last step and the last checkpoint were)."""
-        if record.get("kind") == "train":
-            self.straggler.check(record)
+    def step(self, record: MetricsRecord) -> MetricsRecord:
+        """A metrics record is about to be written: returns it as written (a train record annotated by the
+        straggler check); feeds the endpoint (train, eval and checkpoint records: the alerts ask how long
+        ago the last step and the last checkpoint were)."""
+        if isinstance(record, TrainRecord):
+            record, _ = self.straggler.check(record)
         if self.exporter is not None:
             self.exporter.observe(record)
+        return record
 
     def close(self) -> None:
         """Stop the samplers and the endpoint (after `prometheus_linger_s`)."""

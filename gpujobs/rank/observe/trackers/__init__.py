@@ -33,14 +33,15 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Optional, Protocol
 
 from gpujobs.config.load import JobConfig
-from gpujobs.rank.observe.trackers.series import GpuTail, StepRecord, history, kind_of, step_record
+from gpujobs.rank.observe.trackers.series import GpuTail, StepRecord, history
 from gpujobs.rundir import GPU_FILE
+from gpujobs.rundir.records import EvalRecord, MetricsRecord, TrainRecord
 
 log = logging.getLogger(__name__)
 
@@ -105,21 +106,21 @@ class Trackers:
     """Rank 0's trackers, each behind a queue and a worker thread of its own (a tracker stuck on a tracking
     server that is down holds no other back); `Trackers([], ...)` does nothing."""
 
-    def __init__(self, names: list[str], job: JobConfig, run_dir: Path) -> None:
-        self.names = names
+    def __init__(self, names: Sequence[str], job: JobConfig, run_dir: Path) -> None:
+        self.names = list(names)
         # started now, so the libraries load while the rank builds its task and restores its checkpoint
         self._workers = [_Worker(_tracker(name, job, run_dir), run_dir) for name in names]
         if names:
             log.info("experiment trackers: %s (run dir %s)", ", ".join(names), run_dir)
 
-    def log(self, record: dict[str, Any]) -> None:
+    def log(self, record: MetricsRecord) -> None:
         """Called by the trainer with each record: queue a train or eval record for the workers."""
-        if self._workers and record.get("kind") in ("train", "eval"):
+        if self._workers and isinstance(record, (TrainRecord, EvalRecord)):
             item = (time.time(), record)
             for worker in self._workers:
                 worker.queue.put(item)
 
-    def on_step(self, before: Callable[[dict[str, Any]], None]) -> Callable[[int, dict[str, Any]], None]:
+    def on_step(self, before: Callable[[MetricsRecord], None]) -> Callable[[int, MetricsRecord], None]:
         """The trainer's `on_step`: `before(record)` (the progress view), then `log(record)`. Asked for as the
         trainer is built: it first waits (at most `START_WAIT_S`) for the trackers to have started."""
         deadline = time.monotonic() + START_WAIT_S
@@ -128,7 +129,7 @@ class Trackers:
                 log.warning("%s: still starting after %.0f s: training begins", worker.sending.tracker.name,
                             START_WAIT_S)
 
-        def call(_: int, record: dict[str, Any]) -> None:
+        def call(_: int, record: MetricsRecord) -> None:
             before(record)
             self.log(record)
 
@@ -186,14 +187,14 @@ class _Worker:
         stopped = False
         while not stopped:
             items, stopped = self._next_batch()
-            records = [record for record in map(_typed, items) if record is not None]
+            records = [_stamped(*item) for item in items]
             if not records:
                 continue
             if first_step is None:  # the attempt's first record: its step is where the tracker continues
                 first_step = records[0].step
                 replay = history(self.run_dir, first_step)
             # the newest reading of each GPU, with the batch's last train record
-            last_train = max((i for i, r in enumerate(records) if kind_of(r) == "train"), default=None)
+            last_train = max((i for i, r in enumerate(records) if r.kind == "train"), default=None)
             gpu = self._gpu.read() if last_train is not None else {}
             self.sending.send([(r, gpu if i == last_train else {}) for i, r in enumerate(records)], first_step, replay)
         self.sending.close(self.status)
@@ -215,12 +216,10 @@ class _Worker:
         return items, False
 
 
-def _typed(item: tuple[float, dict[str, Any]]) -> Optional[StepRecord]:
-    """A queued record as the typed record it is, stamped with the time it was queued (the trainer's dict has
-    none: metrics.jsonl's line gets its own)."""
-    stamp, raw = item
-    record = step_record(raw)
-    return None if record is None else dataclasses.replace(record, time=record.time or stamp)
+def _stamped(stamp: float, record: StepRecord) -> StepRecord:
+    """A queued record stamped with the time it was queued (the trainer's has none: metrics.jsonl's line gets
+    its own)."""
+    return dataclasses.replace(record, time=record.time or stamp)
 
 
 class _Sending:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from gpujobs.config.load import JobConfig
-from gpujobs.rank.observe.trackers.series import StepRecord, clean_name, flat_config, kind_of, values_of
+from gpujobs.rank.observe.trackers.series import StepRecord, clean_name, flat_config, values_of
 from gpujobs.rundir.trackers import MlflowRun, TrackerState, read_state, write_state
 
 log = logging.getLogger(__name__)
@@ -143,7 +143,7 @@ class MlflowTracker:
         metrics: list[Any] = []
         logged: dict[str, int] = {}  # kind -> its last step in this batch
         for record, gpu in batch:
-            kind, values = kind_of(record), values_of(record)
+            kind, values = record.kind, values_of(record)
             sentinel = SENTINEL.get(kind) or min(values, default="")
             if not values or record.step <= (logged[kind] if kind in logged else self._last_logged(kind, sentinel)):
                 self.skipped += 1

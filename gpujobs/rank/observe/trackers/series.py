@@ -14,10 +14,10 @@ import json
 import re
 import statistics
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Union
 
 from gpujobs.base.atomic import JsonlTail
-from gpujobs.rundir.records import EvalRecord, TrainRecord, metrics_record, read_metrics
+from gpujobs.rundir.records import EvalRecord, TrainRecord, read_metrics
 
 #: Per-rank series are logged for jobs of up to this many ranks; larger ones log max and median only
 #: (an MLflow batch holds at most 1000 values, and a thousand per-rank lines help no one).
@@ -38,17 +38,6 @@ def series_name(*parts: str) -> str:
     return "/".join(clean_name(part) for part in parts)
 
 StepRecord = Union[TrainRecord, EvalRecord]
-
-
-def step_record(record: dict[str, Any]) -> Optional[StepRecord]:
-    """The train or eval record the trainer handed over (or a metrics.jsonl line holds); None for others."""
-    typed = metrics_record(record)
-    return typed if isinstance(typed, (TrainRecord, EvalRecord)) else None
-
-
-def kind_of(record: StepRecord) -> str:
-    """`train` or `eval`."""
-    return "train" if isinstance(record, TrainRecord) else "eval"
 
 
 def values_of(record: StepRecord) -> dict[str, float]:
@@ -85,7 +74,7 @@ def history(run_dir: Path, before_step: int) -> list[StepRecord]:
     latest: dict[tuple[str, int], StepRecord] = {}
     for record in read_metrics(run_dir):
         if isinstance(record, (TrainRecord, EvalRecord)) and record.step < before_step:
-            latest[(kind_of(record), record.step)] = record
+            latest[(record.kind, record.step)] = record
     # train before eval at the same step, as the trainer logs them
     return [latest[key] for key in sorted(latest, key=lambda key: (key[1], key[0] != "train"))]
 
