@@ -86,8 +86,14 @@ def cell(text: str) -> str:
     return markdown(" ".join(text.split())).replace("|", "\\|")
 
 
-def user_key(name: str) -> str:
-    """The key users write for a field: a Python keyword's field carries a trailing `_` (`async_`)."""
+def user_key(name: str, section: str = "") -> str:
+    """The key users write for a field: the schema's alias where it declares one (`checkpoint.async` is the
+    field `background`, `async` being a Python keyword), else the field's name."""
+    from gpujobs.config.schema import KEY_ALIASES
+
+    for key, field_name in KEY_ALIASES.get(section, {}).items():
+        if field_name == name:
+            return key
     bare = name.rstrip("_")
     return bare if name.endswith("_") and keyword.iskeyword(bare) else name
 
@@ -185,14 +191,15 @@ def sections(schema: type[Any], prefix: str = "", title: str = "", anchor: str =
     entries: list[Entry] = []
     nested: list[tuple[type[Any], str, str, str]] = []
     for f in dataclasses.fields(schema):
-        key = prefix + user_key(f.name)
+        name = user_key(f.name, prefix.rstrip("."))
+        key = prefix + name
         inner, _ = _unwrap(hints[f.name])
         if isinstance(inner, type) and dataclasses.is_dataclass(inner):
             nested.append((inner, key, key, key.replace(".", "-")))
         elif inner is Any:  # a plug-in: the schemas its config group can select
             nested += [(s, key, f"{key}={option}", f"{key}-{option}") for option, s in plugin_schemas(key)]
         else:
-            entries.append(Entry(key, f"{anchor}-{user_key(f.name)}", type_text(hints[f.name]), default_text(f),
+            entries.append(Entry(key, f"{anchor}-{name}", type_text(hints[f.name]), default_text(f),
                                  allowed(f, hints[f.name]), docs.get(f.name, "")))
     intro = inspect.cleandoc(schema.__doc__ or "")
     yield Section(title, anchor, f"{intro}\n\nSchema: `{schema.__module__}.{schema.__qualname__}`.", entries)
