@@ -20,6 +20,7 @@ from conftest import compose_job, submit
 
 from gpujobs.backends.slurm.sbatch import job_command, render_sbatch, sbatch_request
 from gpujobs.config.nccl import OUTPUT_FILE_VARS, NcclSettings
+from gpujobs.rundir.nccl import export_nccl_env
 
 DRY_RUN = ("+experiment=rec", "cluster=slurm", "cluster.dry_run=true")
 TINY = ("+experiment=rec", "+debug=tiny", "cluster=local", "trainer.max_steps=3", "trainer.eval_every=0")
@@ -80,7 +81,7 @@ def test_each_rank_gets_the_file_names_under_its_run_dir_only() -> None:
 
 def test_a_file_without_a_run_dir_is_refused_not_dropped() -> None:
     with pytest.raises(ValueError, match="NCCL_DEBUG_FILE"):
-        NcclSettings(extra={"NCCL_DEBUG_FILE": "nccl.log"}).export_env(None)
+        export_nccl_env(NcclSettings(extra={"NCCL_DEBUG_FILE": "nccl.log"}), None)
 
 
 def test_a_two_rank_run_gives_every_rank_the_debug_file_in_its_run_dir(run_dir: Path) -> None:

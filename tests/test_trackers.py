@@ -322,7 +322,7 @@ import sys
 sys.path.insert(0, {str(REPO / "tests")!r})
 from pathlib import Path
 from conftest import compose_job
-from gpujobs.rank.observe.trackers.sweep import SweepPoint, SweepRuns
+from gpujobs.trackers.sweep import SweepPoint, SweepRuns
 sweep = Path({str(sweep_dir)!r})
 points = [SweepPoint(num, ["+experiment=rec", "logger=mlflow", f"optim.lr={{lr}}"],
                      compose_job("+experiment=rec", "logger=mlflow", {uri!r}, f"optim.lr={{lr}}"), sweep / str(num))

@@ -26,6 +26,7 @@ from gpujobs.rank.observe.prometheus import FileSdTarget, withdraw_left_target
 from gpujobs.rank.srun import parse_args, run_dir_of
 from gpujobs.rundir import PROMETHEUS_FILE
 from gpujobs.rundir.heartbeat import Heartbeat
+from gpujobs.rundir.nccl import export_nccl_env
 from gpujobs.rundir.trust import Untrusted, check_dir
 
 NOBODY = 65534
@@ -188,7 +189,7 @@ def test_a_failure_and_nccl_files_go_through_no_planted_folder(planted: Path, vi
     (planted / "nccl").symlink_to(victims / "dir")
     failures.leave(planted, RankFailure(rank=0, node="n", error="boom", at=1.0))
     with pytest.raises(Untrusted, match="nccl is a symlink"):
-        NcclSettings(extra={"NCCL_DEBUG_FILE": "debug.%h.%p"}).export_env(planted)
+        export_nccl_env(NcclSettings(extra={"NCCL_DEBUG_FILE": "debug.%h.%p"}), planted)
     assert list((victims / "dir").iterdir()) == []
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -11,8 +10,6 @@ from typing import Optional
 from gpujobs.base.errors import ConfigError
 from gpujobs.config.modes import NcclDebug, NcclPreset
 from gpujobs.config.validate import Checked, bounds
-from gpujobs.rundir import NCCL_DIR
-from gpujobs.rundir.trust import own_dir
 
 #: Set to 1 to run the ranks' group on gloo alone even on CUDA (`bench/gpu_check.py` sets it), so that more
 #: ranks than GPUs can share them: NCCL refuses two ranks on a GPU, gloo takes CUDA tensors for DDP's
@@ -60,6 +57,8 @@ TRISTATE_NCCL_VARS: frozenset[str] = frozenset(
 #: in a shared place (/tmp) is one another user can plant a link at. They take a bare file name, and each
 #: rank gets it as RUN_DIR/nccl/<name> (`NcclSettings.to_env`). NCCL_GRAPH_FILE and NCCL_TOPO_FILE are
 #: only read: they keep taking a path.
+#: The run dir's folder of the files NCCL writes (part of the run dir's layout, `gpujobs.rundir`).
+NCCL_DIR = "nccl"
 OUTPUT_FILE_VARS: frozenset[str] = frozenset({"NCCL_DEBUG_FILE", "NCCL_GRAPH_DUMP_FILE", "NCCL_TOPO_DUMP_FILE"})
 #: Buffer sizes in bytes: NCCL reads each as a signed 64-bit integer and sizes its buffers by it (only its
 #: own -2 means "unset"), so a value <= 0 is no buffer at all. They take a positive count of bytes.
@@ -135,11 +134,11 @@ class NcclSettings(Checked):
 
         The files NCCL writes are RUN_DIR/nccl/<name> for the ranks of `run_dir`. Without a run dir
         they are left out: the submit side's sbatch script serves every point of a sweep (and a rerun
-        dir) alike, so only a rank knows its run dir; `export_env` sets them there.
+        dir) alike, so only a rank knows its run dir; `gpujobs.rundir.nccl.export_nccl_env` sets them there.
         """
         env = {key: value for key, value in self.extra.items() if key not in OUTPUT_FILE_VARS}
         if run_dir is not None:
-            env.update(self._output_files(run_dir))
+            env.update(self.output_files(run_dir))
         named = {
             "debug": self.debug.value if self.debug else None,
             "debug_subsys": self.debug_subsys,
@@ -152,23 +151,7 @@ class NcclSettings(Checked):
         env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "1" if self.async_error_handling else "0"
         return env
 
-    def export_env(self, run_dir: Optional[Path]) -> dict[str, str]:
-        """Set `to_env(run_dir)` in this rank's environment, before NCCL initialises; returns it.
-
-        RUN_DIR/nccl/ is made first (mode 0700), so that NCCL finds the directory of its files. Without
-        a run dir (a process group outside a run, as the benchmarks make) a file asked for is refused,
-        not dropped without a word.
-        """
-        files = sorted(key for key in self.extra if key in OUTPUT_FILE_VARS)
-        if files and run_dir is None:
-            raise ValueError(f"nccl.extra.{files[0]} is a file NCCL writes in RUN_DIR/{NCCL_DIR}/: no run dir given")
-        if files and run_dir is not None:
-            own_dir(Path(run_dir), NCCL_DIR, mode=0o700)  # never a planted link: NCCL would write through it
-        env = self.to_env(run_dir)
-        os.environ.update(env)
-        return env
-
-    def _output_files(self, run_dir: Path) -> dict[str, str]:
+    def output_files(self, run_dir: Path) -> dict[str, str]:
         """The files NCCL writes, as the absolute paths a rank of `run_dir` gives NCCL."""
         folder = Path(run_dir).absolute() / NCCL_DIR
         files = {}

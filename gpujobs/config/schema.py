@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from gpujobs.base.errors import ConfigError
+from gpujobs.base.permissions import open_to_others
 from gpujobs.config.cluster import CLUSTERS as CLUSTERS
 from gpujobs.config.cluster import DIR_NAME, DIR_NAME_TEXT, ClusterConfig, ResourcesConfig
 from gpujobs.config.cluster import SLURM_LIMIT_CHECK_S as SLURM_LIMIT_CHECK_S
@@ -29,7 +30,6 @@ from gpujobs.config.modes import Amp, Balance, Optimizer, Schedule
 from gpujobs.config.nccl import NcclSettings
 from gpujobs.config.trackers import LoggerConfig
 from gpujobs.config.validate import NAME_MAX, Checked, bounds, is_host
-from gpujobs.rundir.trust import open_to_others
 
 _TASK = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 #: The longest wait any consumer here takes: Python's sleep and Event.wait and torch's process-group

@@ -357,10 +357,10 @@ def wait_for(outcomes: list[Outcome]) -> None:
 def run_plan(plan: SweepPlan) -> list[Outcome]:
     """Carry out a validated plan: Slurm points as job arrays, the others here, one after another. Points
     with `logger=mlflow` first get the sweep's parent run and a child run each
-    (`gpujobs.rank.observe.trackers.sweep`)."""
+    (`gpujobs.trackers.sweep`)."""
     if any(p.job.cluster.dry_run for p in plan.points) or not any(p.job.logger.mlflow for p in plan.points):
         return _carry_out(plan)
-    from gpujobs.rank.observe.trackers.sweep import SweepPoint, SweepRuns
+    from gpujobs.trackers.sweep import SweepPoint, SweepRuns
 
     runs = SweepRuns.open(plan.sweep_dir, [SweepPoint(p.num, p.overrides, p.job, p.run_dir) for p in plan.points])
     try:

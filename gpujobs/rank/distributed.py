@@ -24,6 +24,7 @@ from gpujobs.base.nvml import rank_gpu_uuid
 from gpujobs.config.load import JobConfig
 from gpujobs.config.nccl import GLOO_ON_CUDA_ENV, NcclSettings
 from gpujobs.rank import collectives
+from gpujobs.rundir.nccl import export_nccl_env
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +106,7 @@ def init_process_group(
     """Apply NCCL settings (the files NCCL writes go to `run_dir`/nccl/), then join the group
     (`backend_for`); returns the backend, or None when there is one rank and
     `GPUJOBS_FORCE_PROCESS_GROUP` is not 1 (no group at all)."""
-    nccl.export_env(run_dir)  # before the group exists: NCCL reads them at init
+    export_nccl_env(nccl, run_dir)  # before the group exists: NCCL reads them at init
     if info.world_size == 1 and os.environ.get(FORCE_GROUP_ENV) != "1":
         return None
     export_torchrun_env(info)

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from gpujobs.attempt import failures, orphan
 from gpujobs.backends.jobenv import detect, export_torchrun_env
 from gpujobs.config.load import JobConfig
+from gpujobs.rundir.nccl import export_nccl_env
 from gpujobs.rundir.records import write_result_or_say
 
 if TYPE_CHECKING:
@@ -63,7 +64,7 @@ class ScriptJob:
         if info.is_main:  # how far the script got is its own business: the line says when it ran, and why it ended
             orphan.record_if_orphaned(self.run_dir, self.job, started, dict)
         export_torchrun_env(info)
-        self.job.nccl.export_env(Path(self.run_dir))
+        export_nccl_env(self.job.nccl, Path(self.run_dir))
         os.environ["GPUJOBS_RUN_DIR"] = self.run_dir
         clock = time.perf_counter()
         code, told = _run_until_done([sys.executable, script.path, *script.args], script.cwd,

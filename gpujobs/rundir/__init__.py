@@ -30,6 +30,7 @@ is written through a link). The job side imports these, never `gpujobs.launch`.
 from __future__ import annotations
 
 from gpujobs.base.atomic import read_jsonl
+from gpujobs.config.nccl import NCCL_DIR  # named where the settings that fill it are
 
 CONFIG_FILE = "config.yaml"
 CHECKPOINT_DIR = "checkpoints"
@@ -49,7 +50,6 @@ RERUNS_DIR = "reruns"
 HEARTBEAT_DIR = "heartbeat"
 HANGS_DIR = "hangs"
 FAILURES_DIR = "failures"
-NCCL_DIR = "nccl"
 
 __all__ = [
     "ATTEMPTS_FILE", "CHECKPOINT_DIR", "CONFIG_FILE", "FAILURES_DIR", "GPU_FILE", "HANGS_DIR", "HEARTBEAT_DIR",

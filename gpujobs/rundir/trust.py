@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import BinaryIO, Optional
 
 from gpujobs.base.errors import ConfigError, GpujobsError
+from gpujobs.base.permissions import open_to_others
 
 #: What a trusted directory is, as the errors say it.
 ALLOWED = "a directory of this user's that no one else may write, unless sticky (chmod go-w, or chmod +t like /tmp)"
@@ -30,12 +31,6 @@ ALLOWED = "a directory of this user's that no one else may write, unless sticky 
 
 class Untrusted(GpujobsError, PermissionError):
     """An entry of the run dir that the job will not follow or write: a symlink, another user's, open to others."""
-
-
-def open_to_others(mode: int) -> bool:
-    """Whether a directory of `mode` lets users other than its owner replace its entries: writable by group
-    or others without the sticky bit (with it, only an entry's owner may rename or remove it)."""
-    return bool(mode & (stat.S_IWGRP | stat.S_IWOTH)) and not mode & stat.S_ISVTX
 
 
 def _user(uid: int) -> str:

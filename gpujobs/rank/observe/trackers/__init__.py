@@ -39,9 +39,9 @@ from types import TracebackType
 from typing import Any, Optional, Protocol
 
 from gpujobs.config.load import JobConfig
-from gpujobs.rank.observe.trackers.series import GpuTail, StepRecord, history
 from gpujobs.rundir import GPU_FILE
 from gpujobs.rundir.records import EvalRecord, MetricsRecord, TrainRecord
+from gpujobs.trackers.series import GpuTail, StepRecord, history
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ class Tracker(Protocol):
 
 def _tracker(name: str, job: JobConfig, run_dir: Path) -> Tracker:
     if name == "mlflow":
-        from gpujobs.rank.observe.trackers.mlflow_tracker import MlflowTracker
+        from gpujobs.trackers.mlflow_tracker import MlflowTracker
 
         return MlflowTracker(job, run_dir)
     from gpujobs.rank.observe.trackers.tensorboard_tracker import TensorBoardTracker

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from gpujobs.config.load import JobConfig
-from gpujobs.rank.observe.trackers.series import StepRecord, flat_config, values_of
 from gpujobs.rundir.trackers import TrackerState, read_state, write_state
+from gpujobs.trackers.series import StepRecord, flat_config, values_of
 
 log = logging.getLogger(__name__)
 

@@ -21,9 +21,9 @@ from typing import Any
 
 from gpujobs.base.errors import SubmitError
 from gpujobs.config.load import JobConfig
-from gpujobs.rank.observe.trackers.mlflow_tracker import client_for, experiment_id, log_params, run_name
-from gpujobs.rank.observe.trackers.series import clean_name
 from gpujobs.rundir.trackers import MlflowRun, TrackerState, read_state, write_state
+from gpujobs.trackers.mlflow_tracker import client_for, experiment_id, log_params, run_name
+from gpujobs.trackers.series import clean_name
 
 log = logging.getLogger(__name__)
 

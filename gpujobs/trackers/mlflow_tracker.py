@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from gpujobs.config.load import JobConfig
-from gpujobs.rank.observe.trackers.series import StepRecord, clean_name, flat_config, values_of
 from gpujobs.rundir.trackers import MlflowRun, TrackerState, read_state, write_state
+from gpujobs.trackers.series import StepRecord, clean_name, flat_config, values_of
 
 log = logging.getLogger(__name__)
 
