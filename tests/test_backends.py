@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from conftest import compose_job
 
-from gpujobs.backends import Scheduler, backend_for, backend_named, names, resolve_cluster_name, slurm
+from gpujobs.backends import Scheduler, backend_for, backend_named, names, resolve_cluster_name, slurm_backend
 from gpujobs.backends.slurm.commands import SlurmCommandError, slurm_command
 from gpujobs.backends.slurm.jobs import job_state
 from gpujobs.base.errors import ConfigError, GpujobsError
@@ -66,4 +66,4 @@ def test_a_slurm_command_that_fails_is_one_gpujobs_error_with_its_last_stderr_li
 def test_a_job_state_slurm_cannot_be_asked_for_is_none(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PATH", str(tmp_path))  # no squeue: Slurm cannot be asked, which is not "gone"
     assert job_state("4242") is None
-    assert slurm().liveness("4242") == (True, "Slurm cannot be asked (squeue failed): assumed running")
+    assert slurm_backend().liveness("4242") == (True, "Slurm cannot be asked (squeue failed): assumed running")

@@ -15,7 +15,7 @@ from gpujobs.backends.base import Backend, Scheduler
 from gpujobs.base.errors import ConfigError
 from gpujobs.config.load import JobConfig
 
-__all__ = ["Backend", "Scheduler", "backend_for", "backend_named", "names", "resolve_cluster_name", "slurm"]
+__all__ = ["Backend", "Scheduler", "backend_for", "backend_named", "names", "resolve_cluster_name", "slurm_backend"]
 
 
 @functools.cache
@@ -47,7 +47,7 @@ def backend_for(job: JobConfig) -> Backend:
     return backend_named(job.cluster.name)
 
 
-def slurm() -> Scheduler:
+def slurm_backend() -> Scheduler:
     """The Slurm backend: the scheduler whose job ids a run dir's `slurm_jobs.jsonl` lists."""
     backend = _backends()["slurm"]
     assert isinstance(backend, Scheduler)

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from gpujobs.backends import slurm
+from gpujobs.backends import slurm_backend
 from gpujobs.backends.base import Allocation
 from gpujobs.launch.manage import PointState
 from gpujobs.rundir import ATTEMPTS_FILE
@@ -140,7 +140,7 @@ def cost_of(points: list[PointState], timeout_s: float = 10.0) -> list[PointCost
 
     Raises SlurmCommandError when a point has Slurm jobs and sacct cannot be asked.
     """
-    held = slurm().allocations([job_id for p in points for job_id in slurm_jobs(p.run_dir)], timeout_s)
+    held = slurm_backend().allocations([job_id for p in points for job_id in slurm_jobs(p.run_dir)], timeout_s)
     return [_point_cost(point, held) for point in points]
 
 

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
-from gpujobs.backends import slurm
+from gpujobs.backends import slurm_backend
 from gpujobs.base.errors import GpujobsError
 from gpujobs.cli.main import COMMANDS
 from gpujobs.config.schema import MAX_WAIT_S
@@ -79,7 +79,7 @@ def _logs(args: argparse.Namespace) -> int:
     point = manage.select(manage.points_of(args.dir), args.point)[0]
     if point.job_id is None or point.logs is None:
         raise GpujobsError(f"{point.run_dir} has no Slurm job (local runs print their logs as they go)")
-    path = slurm().log_path(point.logs, point.job_id, args.rank, err=args.err)
+    path = slurm_backend().log_path(point.logs, point.job_id, args.rank, err=args.err)
     if not args.follow:
         if not path.exists():
             raise GpujobsError(f"no log yet: {path}")

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
-from gpujobs.backends import Scheduler, backend_for, slurm
+from gpujobs.backends import Scheduler, backend_for, slurm_backend
 from gpujobs.backends.slurm.commands import SlurmCommandError
 from gpujobs.base.errors import GpujobsError
 from gpujobs.rundir import CONFIG_FILE, lease
@@ -124,7 +124,7 @@ def state_from_files(point: PointState) -> tuple[str, Optional[str]]:
 
 def refresh(points: list[PointState], timeout_s: float = 10.0) -> Optional[str]:
     """Fill in every point's state and finality; returns a warning when sacct could not be asked."""
-    scheduler = slurm()  # the scheduler whose job ids `slurm_jobs.jsonl` lists (a run here has none)
+    scheduler = slurm_backend()  # the scheduler whose job ids `slurm_jobs.jsonl` lists (a run here has none)
     try:
         states = scheduler.states([p.job_id for p in points if p.job_id], timeout_s)
     except SlurmCommandError as err:
@@ -174,7 +174,7 @@ def cancel(points: list[PointState]) -> CancelOutcome:
     """Cancel the current job of each point (one call); note each id it cancelled in its run dir. The
     ids it could not cancel are not noted (`Scheduler.cancel` names them), the others are even when some fail."""
     outcome = CancelOutcome()
-    scheduler = slurm()
+    scheduler = slurm_backend()
     errors = scheduler.cancel([p.job_id for p in points if p.job_id])
     for point in points:
         if point.job_id is None:
@@ -201,7 +201,7 @@ def resubmit(sweep_dir: Path, points: list[PointState], *, cancelled: bool = Fal
     """
     from gpujobs.launch.sweep import ARRAY_FOLDER, Outcome, SweepPlan, run_here, submit_arrays
 
-    scheduler = slurm()
+    scheduler = slurm_backend()
     slurm_wanted = scheduler.failed_states | ({scheduler.cancelled_state} if cancelled else set())
     here_wanted = FAILED_HERE | ({"cancelled"} if cancelled else set())
     # a point never queued to Slurm ran here: only its files say how it ended
