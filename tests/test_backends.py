@@ -21,6 +21,8 @@ def test_every_cluster_name_the_config_takes_has_a_backend() -> None:
     with pytest.raises(ConfigError, match=r"cluster.name='auto' is invalid: allowed one of local, debug, slurm"):
         backend_named("auto")  # resolved on the submit side first
     assert resolve_cluster_name("debug") == "debug"
+    unresolved = compose_job("+experiment=rec", "+debug=tiny", "cluster=auto")  # a config built in code
+    assert backend_for(unresolved).name == resolve_cluster_name("auto")
 
 
 @pytest.mark.parametrize(("name", "queues", "in_process", "shares_nodes", "renders"), [

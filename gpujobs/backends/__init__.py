@@ -43,8 +43,10 @@ def backend_named(name: str) -> Backend:
 
 
 def backend_for(job: JobConfig) -> Backend:
-    """The backend the job runs on (its `cluster.name`, resolved: see `resolve_cluster_name`)."""
-    return backend_named(job.cluster.name)
+    """The backend the job runs on: its `cluster.name`. The submit side resolves `auto` before anything
+    runs (config.yaml holds the name picked); a config built in code that still says `auto` gets the
+    backend this machine would pick (`resolve_cluster_name`)."""
+    return backend_named(resolve_cluster_name(job.cluster.name))
 
 
 def slurm_backend() -> Scheduler:

@@ -115,6 +115,10 @@ class Scheduler(Backend):
         """Queue the run dir's job (its lease passes to it; the script is kept in the run dir); its id."""
 
     @abstractmethod
+    def follow(self, job: JobConfig, run_dir: Path, job_id: str) -> int:
+        """Show the queued job's progress until the scheduler says it is over; 0 only if it completed."""
+
+    @abstractmethod
     def states(self, job_ids: Sequence[str], timeout_s: float) -> dict[str, str]:
         """The state of every job of `job_ids` the scheduler has a record of, asked once for all."""
 

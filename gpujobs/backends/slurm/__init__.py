@@ -42,16 +42,17 @@ class SlurmBackend(Scheduler):
     def start(self, job: JobConfig, run_dir: Path) -> int:
         job_id = self.submit(job, run_dir)
         print(f"gpujobs: submitted Slurm job {job_id}; run dir {run_dir}", flush=True)
-        if not self.follows(job):
-            return 0
-        from gpujobs.backends.slurm.executor import follow_slurm
-
-        return follow_slurm(job, run_dir, job_id)
+        return self.follow(job, run_dir, job_id) if self.follows(job) else 0
 
     def submit(self, job: JobConfig, run_dir: Path) -> str:
         from gpujobs.backends.slurm.executor import submit_slurm
 
         return str(submit_slurm(job, run_dir).job_id)
+
+    def follow(self, job: JobConfig, run_dir: Path, job_id: str) -> int:
+        from gpujobs.backends.slurm.executor import follow_slurm
+
+        return follow_slurm(job, run_dir, job_id)
 
     def states(self, job_ids: Sequence[str], timeout_s: float) -> dict[str, str]:
         return sacct.job_states(job_ids, timeout_s)
