@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import compose_job
 
-from gpujobs.attempt.local import check_local_resources
+from gpujobs.backends.local import check_local_resources
 from gpujobs.base.errors import ConfigError
 from gpujobs.config.nccl import GLOO_ON_CUDA_ENV
 

@@ -18,9 +18,9 @@ import pytest
 from conftest import REPO, assert_golden, compose_job, read_result, sacct_state, submit
 from omegaconf import OmegaConf
 
+from gpujobs.backends.slurm.sacct import parse_sacct
 from gpujobs.backends.slurm.sbatch import render_sbatch, sbatch_request
 from gpujobs.base.errors import ConfigError
-from gpujobs.launch.manage import parse_sacct
 from gpujobs.launch.sweep import Point, SweepPlan, array_spec, chunks, header_groups
 from gpujobs.rundir.files import config_yaml, read_submissions
 

@@ -21,38 +21,20 @@ from gpujobs.attempt import failures
 from gpujobs.attempt.evidence import descendants, kill_tree, process_start
 from gpujobs.attempt.hangs import HangReport, Watchdog
 from gpujobs.backends.jobenv import free_port
-from gpujobs.base.errors import ConfigError
 from gpujobs.config.load import JobConfig
 from gpujobs.config.nccl import GLOO_ON_CUDA_ENV
-from gpujobs.launch.follow import JobFollower
 from gpujobs.rank.main import FromRunDir
 from gpujobs.rank.script import record_completed
 from gpujobs.rundir.attempts import AttemptLog, Decision, RequeuePolicy
+from gpujobs.rundir.follow import JobFollower
 from gpujobs.rundir.records import read_result
 
 if TYPE_CHECKING:
     from gpujobs.backends.local.gpus import GpuLoad
 
 
-def check_local_resources(job: JobConfig, gpus_here: int) -> None:
-    """Refuse what this machine cannot give, before anything starts."""
-    res = job.resources
-    if res.nodes != 1:
-        raise ConfigError("resources.nodes", res.nodes, "1 with cluster=local (use cluster=slurm for more nodes)")
-    if res.gpus_per_node > gpus_here and not (gpus_here and os.environ.get(GLOO_ON_CUDA_ENV) == "1"):
-        listed = os.environ.get("CUDA_VISIBLE_DEVICES")
-        if listed is not None:
-            hint = f"0..{gpus_here} (the GPUs CUDA_VISIBLE_DEVICES={listed!r} names here)"
-        elif gpus_here == 0:
-            hint = ("0: this machine has no NVIDIA GPU "
-                    "(use resources.gpus_per_node=0 with resources.procs_per_node=N for CPU ranks)")
-        else:
-            hint = f"0..{gpus_here} (GPUs on this machine)"
-        raise ConfigError("resources.gpus_per_node", res.gpus_per_node, hint)
-
-
 def run_local(job: JobConfig, run_dir: Path) -> int:
-    """Run the job here (resources already checked by `check_local_resources`); 0 when it completed."""
+    """Run the job here (resources already checked by `LocalBackend.preflight`); 0 when it completed."""
     import submitit  # lazily: keeps `--help` and validation fast
 
     from gpujobs.backends.local.gpus import choose_local_gpus, local_gpu_count

@@ -30,8 +30,10 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, Optional
 
+from gpujobs.backends import backend_for
 from gpujobs.backends.jobenv import allocated_world_size
 from gpujobs.backends.slurm import quarantine
+from gpujobs.base.errors import GpujobsError
 from gpujobs.config.load import JobConfig, ResourcesConfig
 from gpujobs.rundir.attempts import AttemptLog, RequeuePolicy
 from gpujobs.rundir.records import NODE_FAULTS, Attempt
@@ -121,7 +123,7 @@ def record_attempt(run_dir: str, job: JobConfig, reason: str, **fields: Any) -> 
     for key, value in job.resources.held_per_rank.items():
         fields.setdefault(key, value)
     ledger = AttemptLog(Path(run_dir))
-    slurm_job = job_id if job.cluster.name == "slurm" else None  # local runs record the node, exclude nothing
+    slurm_job = job_id if backend_for(job).queues else None  # local runs record the node, exclude nothing
     exclusion: Optional[quarantine.Exclusion] = None
     notes: list[str] = []  # said in the line's why once the requeue is done
     node = fields.get("node")
@@ -178,9 +180,9 @@ def _plan_exclusion(
     try:
         configured = quarantine.expand_hostlist(job.cluster.exclude)
         if partition is None:
-            raise quarantine.SlurmQueryError("the job's partition is not known (no SLURM_JOB_PARTITION)")
+            raise GpujobsError("the job's partition is not known (no SLURM_JOB_PARTITION)")
         nodes = quarantine.partition_nodes(partition)
-    except quarantine.SlurmQueryError as err:
+    except GpujobsError as err:  # a Slurm command's (SlurmCommandError), or the line above
         log.error("%s is not excluded: %s", node, err)
         return None, f"{node} not excluded ({err})"
     return quarantine.plan(node, reason, partition, nodes, [*configured, *earlier], job.resources.least_nodes), None

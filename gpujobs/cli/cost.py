@@ -47,7 +47,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from gpujobs.backends.slurm.sacct import Allocation, allocations
+from gpujobs.backends import slurm_backend
+from gpujobs.backends.base import Allocation
 from gpujobs.launch.manage import PointState
 from gpujobs.rundir import ATTEMPTS_FILE
 from gpujobs.rundir.files import read_config, read_submissions
@@ -137,9 +138,9 @@ def slurm_jobs(run_dir: Path) -> list[str]:
 def cost_of(points: list[PointState], timeout_s: float = 10.0) -> list[PointCost]:
     """The cost of every point, from one sacct call for all their Slurm jobs and their run dirs' records.
 
-    Raises `manage.SlurmCommandError` when a point has Slurm jobs and sacct cannot be asked.
+    Raises SlurmCommandError when a point has Slurm jobs and sacct cannot be asked.
     """
-    held = allocations([job_id for p in points for job_id in slurm_jobs(p.run_dir)], timeout_s)
+    held = slurm_backend().allocations([job_id for p in points for job_id in slurm_jobs(p.run_dir)], timeout_s)
     return [_point_cost(point, held) for point in points]
 
 

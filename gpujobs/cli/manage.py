@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
+from gpujobs.backends import slurm_backend
 from gpujobs.base.errors import GpujobsError
 from gpujobs.cli.main import COMMANDS
 from gpujobs.config.schema import MAX_WAIT_S
@@ -78,7 +79,7 @@ def _logs(args: argparse.Namespace) -> int:
     point = manage.select(manage.points_of(args.dir), args.point)[0]
     if point.job_id is None or point.logs is None:
         raise GpujobsError(f"{point.run_dir} has no Slurm job (local runs print their logs as they go)")
-    path = point.logs / f"{point.job_id}_{args.rank}_log.{'err' if args.err else 'out'}"
+    path = slurm_backend().log_path(point.logs, point.job_id, args.rank, err=args.err)
     if not args.follow:
         if not path.exists():
             raise GpujobsError(f"no log yet: {path}")
@@ -185,8 +186,9 @@ def main(argv: Optional[list[str]] = None, prog: str = "python -m gpujobs") -> i
         if args.command == "cancel":
             return _cancel(points)
         warning = manage.refresh(points, args.sacct_timeout)
-        if warning:
-            raise manage.SlurmCommandError(f"{warning}; resubmit needs Slurm's view of the states, try again")
+        if warning:  # exit 1, as a Slurm command that failed: not bad input
+            print(f"gpujobs: {warning}; resubmit needs Slurm's view of the states, try again", file=sys.stderr)
+            return 1
         outcomes = manage.resubmit(args.dir, points, cancelled=args.cancelled)
         return _resubmitted(outcomes, single=points[0].num is None)
     except manage.SlurmCommandError as err:

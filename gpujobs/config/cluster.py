@@ -68,7 +68,7 @@ class ClusterConfig(Checked):
 
     name: str = field(default="auto", metadata=bounds(one_of=CLUSTERS))
     """local | debug | slurm; auto picks slurm when sbatch and a Slurm config are found, else local
-    (on the submit side: `gpujobs.launch.resolve_cluster`; config.yaml holds the name it picked)."""
+    (on the submit side: `gpujobs.backends.resolve_cluster_name`; config.yaml holds the name it picked)."""
     partition: Optional[str] = field(default=None, metadata=bounds(pattern=NAME, allowed=NAME_TEXT))
     """Slurm partition (default: the cluster's default partition)."""
     account: Optional[str] = field(default=None, metadata=bounds(pattern=NAME, allowed=NAME_TEXT))
@@ -87,7 +87,7 @@ class ClusterConfig(Checked):
     )
     """Seconds before the time limit at which the job gets USR2 to checkpoint (below the limit less 30 s)."""
     wait: Optional[bool] = None
-    """Follow the job to its end and exit with its status (default: true locally, false on Slurm)."""
+    """Follow the job to its end and exit with its status (default: true locally, false on Slurm: `Backend.follows`)."""
     max_restarts: int = field(default=0, metadata=bounds(ge=0))
     """Failure budget: attempts that failed by themselves (exit code != 0, no signal) that may be retried."""
     max_preemptions: int = field(default=20, metadata=bounds(ge=0))
@@ -144,11 +144,6 @@ class ClusterConfig(Checked):
     def timeout_min(self) -> int:
         """The time limit in minutes."""
         return parse_time_minutes(self.time)
-
-    @property
-    def should_wait(self) -> bool:
-        """Whether submit follows the job to its end."""
-        return self.wait if self.wait is not None else self.name != "slurm"
 
 
 @dataclass

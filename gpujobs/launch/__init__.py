@@ -3,24 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
-import os
-import shutil
 from pathlib import Path
 from typing import Any, Optional
 
+from gpujobs.backends import backend_for, resolve_cluster_name
+from gpujobs.backends.base import NO_SCRIPT
 from gpujobs.base.errors import ConfigError, SubmitError
 from gpujobs.config.load import JobConfig
 from gpujobs.config.validate import check_slurm_path
 from gpujobs.rundir import CONFIG_FILE
 from gpujobs.rundir.files import write_config
-
-
-def resolve_cluster_name(name: str) -> str:
-    """`auto` → slurm when this machine can submit to Slurm, else local."""
-    if name != "auto":
-        return name
-    has_conf = bool(os.environ.get("SLURM_CONF")) or os.path.exists("/etc/slurm/slurm.conf")
-    return "slurm" if shutil.which("sbatch") and has_conf else "local"
 
 
 def resolve_cluster(job: JobConfig) -> JobConfig:
@@ -42,35 +34,24 @@ def check_paths(job: JobConfig, run_dir: Path, sweep_dir: Optional[Path] = None)
     expands the one in its log paths and drops the other from `#SBATCH` lines. In a sweep, `run_dir` is
     the point's dir under `sweep_dir`.
     """
-    slurm = job.cluster.name == "slurm"
+    slurm = backend_for(job).parses_paths
     if sweep_dir is not None:
         check_slurm_path("hydra.sweep.dir", sweep_dir, slurm=slurm)
     check_slurm_path("hydra.run.dir" if sweep_dir is None else "hydra.sweep.subdir", run_dir, slurm=slurm)
     check_slurm_path("cluster.folder", job.cluster.folder, slurm=slurm)
 
 
-def _preflight_cluster(job: JobConfig, cache: Optional[dict[Any, Any]]) -> None:
-    if job.cluster.name == "local":
-        from gpujobs.attempt.local import check_local_resources
-        from gpujobs.backends.local.gpus import local_gpu_count
-
-        check_local_resources(job, local_gpu_count())
-    elif job.cluster.name == "slurm":
-        from gpujobs.backends.slurm.preflight import preflight_slurm
-
-        preflight_slurm(job, cache)
-
-
 def preflight(job: JobConfig, cache: Optional[dict[Any, Any]] = None) -> None:
     """Refuse, with a ConfigError, what the chosen cluster cannot run; nothing is written before.
 
-    `cache` keeps what the cluster said across the points of a sweep (see `preflight_slurm`).
+    `cache` keeps what the cluster said across the points of a sweep (see `Backend.preflight`).
     """
-    if job.cluster.dry_run and job.cluster.name != "slurm":
-        raise ConfigError("cluster.dry_run", True, "false unless cluster=slurm (a dry run prints the sbatch script)")
+    backend = backend_for(job)
+    if job.cluster.dry_run and not backend.renders:
+        raise ConfigError("cluster.dry_run", True, NO_SCRIPT)
     job.logger.check_here()  # a tracker's package missing, a log dir that cannot be: refused here, not on the job side
     _check_replay(job)
-    _preflight_cluster(job, cache)
+    backend.preflight(job, cache)
 
 
 def _check_replay(job: JobConfig) -> None:
@@ -123,10 +104,9 @@ def launch(job: JobConfig, run_dir: Path) -> int:
     preflight(job)
     check_start(job, run_dir)
     if job.cluster.dry_run:
-        from gpujobs.backends.slurm.executor import single_executor
         from gpujobs.rundir.files import discard_if_empty
 
-        print(single_executor(job, run_dir).script(), end="")
+        print(backend_for(job).render(job, run_dir), end="")
         discard_if_empty(run_dir)  # a dry run leaves nothing behind, not even the empty run dir
         return 0
     return start(job, run_dir)
@@ -143,23 +123,16 @@ def start(job: JobConfig, run_dir: Path) -> int:
         print(f"gpujobs: run dir {run_dir} completed already ({result.steps} steps): nothing to run, and its "
               "result stays (a longer trainer.max_steps continues it; a new run dir trains it again)", flush=True)
         return 0
-    # this launcher's; a Slurm submission hands it to the job it queues
-    me = lease.here(submitting=job.cluster.name == "slurm")
+    # this launcher's; a queueing backend's submission hands it to the job it queues
+    backend = backend_for(job)
+    me = lease.here(submitting=backend.queues)
     lease.acquire(run_dir, me)
     had_config = (run_dir / CONFIG_FILE).exists()
     write_config(run_dir, job)
-    if job.cluster.name == "debug":
-        from gpujobs.backends.debug.executor import run_debug
-
-        return run_debug(job, run_dir)
+    if backend.in_process:  # exceptions go to the user (pdb): nothing to give back
+        return backend.start(job, run_dir)
     try:
-        if job.cluster.name == "slurm":
-            from gpujobs.backends.slurm.executor import run_slurm
-
-            return run_slurm(job, run_dir)
-        from gpujobs.attempt.local import run_local
-
-        return run_local(job, run_dir)
+        return backend.start(job, run_dir)
     except (SubmitError, ConfigError):
         # refused before anything ran or was queued (sbatch said no, too few GPUs free): nothing of it stays
         lease.release(run_dir, me)

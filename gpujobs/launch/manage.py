@@ -9,13 +9,12 @@ torn or garbage line in any of them is skipped, never fatal.
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
+from gpujobs.backends import Scheduler, backend_for, slurm_backend
+from gpujobs.backends.slurm.commands import SlurmCommandError
 from gpujobs.base.errors import GpujobsError
 from gpujobs.rundir import CONFIG_FILE, lease
 from gpujobs.rundir.attempts import AttemptLog
@@ -25,24 +24,9 @@ from gpujobs.rundir.records import Attempt, Result, read_result
 if TYPE_CHECKING:
     from gpujobs.launch.sweep import Outcome
 
-#: States after which a job will not run again by itself.
-FINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
-         "PREEMPTED"}
-#: States `resubmit --failed` brings back (CANCELLED only with --cancelled: cancelling was a choice).
-FAILED = {"FAILED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "PREEMPTED"}
 #: How a run that ran here (cluster=local or debug) ended, as its files say, that `resubmit --failed`
 #: brings back: its last attempt's reason once no attempt follows, or `interrupted` (its launcher is gone).
 FAILED_HERE = {"failed", "hung", "unhealthy", "timeout", "preempted", "interrupted"}
-#: A pending (or never started) part of an array, as sacct lists it: `JOBID_[4-999]`, `JOBID_[1,3,5-7%2]`.
-_ARRAY_RANGE = re.compile(r"^(\d+)_\[([0-9,\-]+)(?:%\d+)?\]$")
-#: How `scancel -v` names an id it could not signal, and why.
-_SCANCEL_ERROR = re.compile(r"error on job id (\S+): (.+)$", re.MULTILINE)
-#: scancel's reasons for a job that had already ended (one purged after MinJobAge is "invalid").
-_ALREADY_ENDED = ("already completing or completed", "Invalid job id specified")
-
-
-class SlurmCommandError(GpujobsError):
-    """A Slurm command (sacct, scancel) failed or did not answer: exit code 1, not bad input."""
 
 
 @dataclass
@@ -88,71 +72,10 @@ def points_of(path: Path) -> list[PointState]:
     return points
 
 
-def parse_sacct(text: str) -> dict[str, str]:
-    """`sacct -X -n -P -o JobID,State` lines to {job id: state}; pending array ranges are expanded.
-
-    An array that never started may also be one bare `JOBID` record (seen when its tasks were cancelled
-    one by one before accounting listed them): `sacct_state_of` gives its state to every task.
-    """
-    states: dict[str, str] = {}
-    for line in text.splitlines():
-        if "|" not in line:
-            continue
-        job_id, state = line.split("|", 1)
-        state = state.split()[0] if state.strip() else "?"  # "CANCELLED by 0" -> CANCELLED
-        match = _ARRAY_RANGE.match(job_id)
-        if match is None:
-            states[job_id] = state
-            continue
-        for part in match.group(2).split(","):
-            low, _, high = part.partition("-")
-            for index in range(int(low), int(high or low) + 1):
-                states[f"{match.group(1)}_{index}"] = state
-    return states
-
-
-def sacct_state_of(job_id: str, states: dict[str, str]) -> Optional[str]:
-    """What `parse_sacct`'s `states` say of `job_id`, or None when sacct has no record of it.
-
-    A task `JOBID_i` without a record of its own takes the state of a bare `JOBID` record: that
-    record stands for the whole array (a started array lists its tasks as `JOBID_i`, never bare).
-    """
-    if job_id in states:
-        return states[job_id]
-    array, sep, _ = job_id.partition("_")
-    return states.get(array) if sep else None
-
-
-def sacct_states(job_ids: list[str], timeout_s: float) -> dict[str, str]:
-    """States of every job in one `sacct` call. Raises SlurmCommandError when sacct fails or is too slow."""
-    return parse_sacct(run_sacct(["-X", "-n", "-P", "-o", "JobID,State"], job_ids, timeout_s))
-
-
-def run_sacct(options: list[str], job_ids: list[str], timeout_s: float, env: Optional[dict[str, str]] = None) -> str:
-    """One `sacct OPTIONS -j ...` call over the jobs of `job_ids` (an array task's whole array); its
-    output ("" without ids). `env` is added to this process's. Raises SlurmCommandError when sacct
-    fails or is too slow."""
-    mains = sorted({job_id.split("_")[0] for job_id in job_ids})
-    if not mains:
-        return ""
-    cmd = ["sacct", *options, "-j", ",".join(mains)]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False,
-                              env={**os.environ, **env} if env else None)
-    except subprocess.TimeoutExpired:
-        raise SlurmCommandError(f"sacct did not answer within {timeout_s:g} s") from None
-    except OSError as err:
-        raise SlurmCommandError(f"sacct could not run: {err}") from None
-    if proc.returncode != 0:
-        said = (proc.stderr or proc.stdout).strip().splitlines()  # its last line says why ("fatal: ...")
-        raise SlurmCommandError(f"sacct failed: {said[-1] if said else proc.returncode}")
-    return proc.stdout
-
-
 def _local_lease(run_dir: Path) -> Optional[lease.Lease]:
     """The run dir's lease when a launcher on a machine (cluster=local or debug) holds it, not a Slurm job."""
     held = lease.read(run_dir)
-    return held if held is not None and held.holder == "local" else None
+    return held if held is not None and held.by_launcher else None
 
 
 def current_result(run_dir: Path, attempts: Optional[list[Attempt]] = None) -> Optional[Result]:
@@ -201,18 +124,19 @@ def state_from_files(point: PointState) -> tuple[str, Optional[str]]:
 
 def refresh(points: list[PointState], timeout_s: float = 10.0) -> Optional[str]:
     """Fill in every point's state and finality; returns a warning when sacct could not be asked."""
+    scheduler = slurm_backend()  # the scheduler whose job ids `slurm_jobs.jsonl` lists (a run here has none)
     try:
-        states = sacct_states([p.job_id for p in points if p.job_id], timeout_s)
+        states = scheduler.states([p.job_id for p in points if p.job_id], timeout_s)
     except SlurmCommandError as err:
         for point in points:
             _from_files(point)
         return f"{err}: showing what the run dirs say"
     for point in points:
-        state = sacct_state_of(point.job_id, states) if point.job_id else None
+        state = states.get(point.job_id) if point.job_id else None
         if state is not None:
-            point.state, point.final = state, state in FINAL
+            point.state, point.final = state, state in scheduler.final_states
         elif point.cancelled:  # Slurm keeps no record of an array task cancelled while pending
-            point.state, point.final = "CANCELLED", True
+            point.state, point.final = scheduler.cancelled_state, True
         else:  # a local run, or a job sacct does not list (yet)
             _from_files(point)
     return None
@@ -247,24 +171,11 @@ class CancelOutcome:
 
 
 def cancel(points: list[PointState]) -> CancelOutcome:
-    """`scancel` the current job of each point (one call); note each id it cancelled in its run dir.
-
-    `scancel -v` names every id it could not signal, so the others are noted even when some fail
-    (Slurm 22.05 exits 0 for ids that already ended, and 1 for other errors).
-    """
+    """Cancel the current job of each point (one call); note each id it cancelled in its run dir. The
+    ids it could not cancel are not noted (`Scheduler.cancel` names them), the others are even when some fail."""
     outcome = CancelOutcome()
-    ids = [p.job_id for p in points if p.job_id]
-    if not ids:
-        return outcome
-    try:
-        proc = subprocess.run(["scancel", "-v", *ids], capture_output=True, text=True, timeout=30, check=False)
-    except subprocess.TimeoutExpired:
-        raise SlurmCommandError("scancel did not answer within 30 s: nothing recorded as cancelled") from None
-    except OSError as err:
-        raise SlurmCommandError(f"scancel could not run: {err}") from None
-    errors = {job_id: why.strip() for job_id, why in _SCANCEL_ERROR.findall(proc.stderr)}
-    if proc.returncode != 0 and not errors:  # it named no id: it did not get as far as signalling any
-        raise SlurmCommandError(f"scancel failed: {proc.stderr.strip() or proc.returncode}")
+    scheduler = slurm_backend()
+    errors = scheduler.cancel([p.job_id for p in points if p.job_id])
     for point in points:
         if point.job_id is None:
             continue
@@ -272,7 +183,7 @@ def cancel(points: list[PointState]) -> CancelOutcome:
         if why is None:
             record_cancel(point.run_dir, point.job_id)
             outcome.cancelled.append(point.job_id)
-        elif any(words in why for words in _ALREADY_ENDED):
+        elif scheduler.already_ended(why):
             outcome.ended[point.job_id] = why
         else:
             outcome.failed[point.job_id] = why
@@ -290,25 +201,25 @@ def resubmit(sweep_dir: Path, points: list[PointState], *, cancelled: bool = Fal
     """
     from gpujobs.launch.sweep import ARRAY_FOLDER, Outcome, SweepPlan, run_here, submit_arrays
 
-    slurm_wanted = FAILED | ({"CANCELLED"} if cancelled else set())
+    scheduler = slurm_backend()
+    slurm_wanted = scheduler.failed_states | ({scheduler.cancelled_state} if cancelled else set())
     here_wanted = FAILED_HERE | ({"cancelled"} if cancelled else set())
     # a point never queued to Slurm ran here: only its files say how it ended
     chosen = [p for p in points if (p.state in slurm_wanted if p.job_id else p.ended in here_wanted)]
     plan = SweepPlan(sweep_dir.absolute(), single=bool(chosen) and chosen[0].num is None)
     for p in chosen:
         plan.add(read_config(p.run_dir), p.run_dir, p.num or 0, p.overrides)
-    slurm = [point for point in plan.points if point.job.cluster.name == "slurm"]
-    here = [point for point in plan.points if point.job.cluster.name != "slurm"]
+    queued = [point for point in plan.points if backend_for(point.job).queues]
+    here = [point for point in plan.points if not backend_for(point.job).queues]
     if chosen and chosen[0].num is None:  # a single run dir: one job again, as it was
         (point,) = plan.points
-        if slurm:
-            from gpujobs.backends.slurm.executor import submit_slurm
-
-            sjob = submit_slurm(point.job, point.run_dir)
-            print(f"gpujobs: submitted Slurm job {sjob.job_id}; run dir {point.run_dir}", flush=True)
-            return [Outcome(point, 0, job_id=sjob.job_id)]
+        backend = backend_for(point.job)
+        if isinstance(backend, Scheduler):
+            job_id = backend.submit(point.job, point.run_dir)
+            print(f"gpujobs: submitted Slurm job {job_id}; run dir {point.run_dir}", flush=True)
+            return [Outcome(point, 0, job_id=job_id)]
         from gpujobs.launch import start
 
         return [Outcome(point, start(point.job, point.run_dir))]
-    outcomes = submit_arrays(slurm, sweep_dir.absolute() / ARRAY_FOLDER) if slurm else []
+    outcomes = submit_arrays(queued, sweep_dir.absolute() / ARRAY_FOLDER) if queued else []
     return outcomes + run_here(sweep_dir.absolute(), here)

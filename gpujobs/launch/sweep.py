@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from gpujobs.backends import backend_for
 from gpujobs.base.atomic import fsync_batch, write_json_atomic, write_text_atomic
 from gpujobs.base.errors import ConfigError, GpujobsError, SubmitError
 from gpujobs.config.load import JobConfig
@@ -128,7 +129,7 @@ class SweepPlan:
         first: dict[int, Point] = {}
         for point in self.points:
             port = point.job.telemetry.prometheus_port
-            if point.job.cluster.name != "slurm" or not port:
+            if not backend_for(point.job).shares_nodes or not port:
                 continue
             if port in first:
                 raise ConfigError(
@@ -339,7 +340,8 @@ def wait_for(outcomes: list[Outcome]) -> None:
     """
     import submitit
 
-    from gpujobs.launch.follow import SlurmEnd, failure_line, results
+    from gpujobs.backends.slurm.jobs import SlurmEnd
+    from gpujobs.rundir.follow import failure_line, results
 
     ends = {id(o): SlurmEnd(o.handle, ask_every_s=0) for o in outcomes if o.handle is not None}
     pending = [o for o in outcomes if o.handle is not None]
@@ -373,8 +375,8 @@ def run_plan(plan: SweepPlan) -> list[Outcome]:
 
 
 def _carry_out(plan: SweepPlan) -> list[Outcome]:
-    slurm = [p for p in plan.points if p.job.cluster.name == "slurm"]
-    others = [p for p in plan.points if p.job.cluster.name != "slurm"]
+    slurm = [p for p in plan.points if backend_for(p.job).queues]
+    others = [p for p in plan.points if not backend_for(p.job).queues]
     outcomes: list[Outcome] = []
     if slurm:
         dry_run = any(p.job.cluster.dry_run for p in slurm)
@@ -391,7 +393,7 @@ def _carry_out(plan: SweepPlan) -> list[Outcome]:
         if dry_run:
             plan.discard()
             return [Outcome(p, 0) for p in slurm]
-        if any(p.job.cluster.should_wait for p in slurm):
+        if any(backend_for(p.job).follows(p.job) for p in slurm):
             wait_for(queued)
         outcomes += queued
     return outcomes + run_here(plan.sweep_dir, others)

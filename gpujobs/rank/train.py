@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from gpujobs.backends import backend_for
 from gpujobs.config.load import JobConfig
 from gpujobs.rundir import CHECKPOINT_DIR, METRICS_FILE
 from gpujobs.rundir.records import write_result_or_say
@@ -71,7 +72,7 @@ class TrainJob:
         from gpujobs.rundir.heartbeat import Heartbeat, NoBeat, interval_for
 
         hang_timeout_s = self.job.trainer.hang_timeout_s
-        if not hang_timeout_s or self.job.cluster.name == "debug":
+        if not hang_timeout_s or backend_for(self.job).in_process:
             return NoBeat()
         return Heartbeat(Path(self.run_dir), info.rank, info.node, interval_for(hang_timeout_s)).start()
 

@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 import json
 import logging
 import os
 import socket
-import subprocess
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -43,11 +43,12 @@ log = logging.getLogger(__name__)
 #: start time from /proc is of whole seconds of boot time, and the wall clock may have been stepped since.
 _CLOCK_SLACK_S = 2.0
 
-#: Slurm states in which a job may still run (or is running) in its run dir.
-LIVE_STATES = {
-    "PENDING", "RUNNING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING", "SUSPENDED", "COMPLETING",
-    "CONFIGURING", "STOPPED", "SIGNALING", "STAGE_OUT", "PREEMPTED", "RESV_DEL_HOLD", "SPECIAL_EXIT",
-}
+#: The backends' registry, imported when a lease names a queued job: whether that job lives is its
+#: scheduler's to say (for Slurm: `squeue`), and the backends, the only place a scheduler's commands
+#: run, are a layer above the run dir.
+_BACKENDS = "gpujobs.backends"
+#: `Lease.holder` of a launcher process on a host (the lease files' word for it).
+LAUNCHER = "local"
 
 
 class LeaseHeld(GpujobsError):
@@ -74,6 +75,11 @@ class Lease:
     unrecorded: list[dict[str, Any]] = field(default_factory=list)
     """The attempts whose line `attempts.jsonl` could not take (`AttemptLog`), as their short lines."""
 
+    @property
+    def by_launcher(self) -> bool:
+        """Held by a launcher on a machine (cluster=local or debug), not by a queued job or its submitter."""
+        return self.holder == LAUNCHER
+
     def describe(self) -> str:
         """How an error line names the holder."""
         if self.job_id is not None:
@@ -83,7 +89,7 @@ class Lease:
 
 def here(job_id: Optional[str] = None, *, submitting: bool = False) -> Lease:
     """A lease for this process: Slurm job `job_id`, a submit process about to queue one, or a local launcher."""
-    holder = "slurm" if job_id else "submitting" if submitting else "local"
+    holder = "slurm" if job_id else "submitting" if submitting else LAUNCHER
     pid = os.getpid()
     return Lease(holder, socket.gethostname(), pid, job_id, round(time.time(), 3), process_start(pid), boot_id())
 
@@ -100,27 +106,12 @@ def _parse(path: Path) -> Optional[Lease]:
         return None
 
 
-def slurm_state(job_id: str, timeout_s: float = 20.0) -> Optional[str]:
-    """The job's state as `squeue` says, "" when Slurm no longer knows it, None when Slurm cannot be asked."""
-    try:
-        proc = subprocess.run(
-            ["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True, timeout=timeout_s, check=False
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    if proc.returncode != 0:
-        return "" if "Invalid job id" in proc.stderr else None
-    states = proc.stdout.split()
-    return states[0] if states else ""
-
-
 def live(lease: Lease) -> tuple[bool, str]:
     """Whether the lease's holder may still be running, and what says so."""
     if lease.job_id is not None:
-        state = slurm_state(lease.job_id)
-        if state is None:
-            return True, "Slurm cannot be asked (squeue failed): assumed running"
-        return state in LIVE_STATES, state or "gone from squeue"
+        scheduler = importlib.import_module(_BACKENDS).backend_named(lease.holder)
+        is_live, why = scheduler.liveness(lease.job_id)
+        return bool(is_live), str(why)
     if lease.host != socket.gethostname():
         return True, f"a process on {lease.host}, which this host cannot check"
     if not alive(lease.pid):

@@ -26,7 +26,9 @@ class SlurmCommandError(GpujobsError):
         self.command = list(command)
         self.reason = reason
         self.returncode = returncode
-        super().__init__(f"`{' '.join(self.command[:4])}{' ...' if len(self.command) > 4 else ''}` {reason}")
+        shown = " ".join(self.command[:4]) + (" ..." if len(self.command) > 4 else "")
+        # the tool's name first ("sacct could not run: ..."), then the call it was: the line a user reads
+        super().__init__(f"{self.command[0] if self.command else 'a Slurm command'} {reason} (`{shown}`)")
 
 
 def last_line(text: str) -> str:

@@ -108,21 +108,20 @@ def submit_slurm(job: JobConfig, run_dir: Path) -> Any:
     return sjob
 
 
-def run_slurm(job: JobConfig, run_dir: Path) -> int:
-    """Submit; with `cluster.wait`, follow to the end and return 0 only if the job completed."""
-    sjob = submit_slurm(job, run_dir)
-    print(f"gpujobs: submitted Slurm job {sjob.job_id}; run dir {run_dir}", flush=True)
-    if not job.cluster.should_wait:
-        return 0
-    from gpujobs.launch.follow import JobFollower  # rich: only paid when following
+def follow_slurm(job: JobConfig, run_dir: Path, job_id: str) -> int:
+    """Show the queued job's progress until Slurm says it is over; 0 only if it completed."""
+    from gpujobs.backends.slurm.jobs import SlurmEnd
+    from gpujobs.rundir.follow import JobFollower  # rich: only paid when following
 
+    folder = run_dir / job.cluster.folder
+    sjob: submitit.SlurmJob[Any] = submitit.SlurmJob(folder, job_id, tasks=list(range(job.resources.world_size)))
     with JobFollower(run_dir, job) as follower:
-        error = follower.follow(sjob)  # till Slurm says it is over: the supervisor's line is written
+        error = follower.follow(sjob, over=SlurmEnd(sjob).over)  # till Slurm says so: the supervisor's line is written
         if error is None:
             follower.print_result()
             return 0
-    print(f"gpujobs: job {sjob.job_id} {_ending(run_dir, str(sjob.job_id), error)}")
-    print(f"gpujobs: per-rank logs in {run_dir / job.cluster.folder}")
+    print(f"gpujobs: job {job_id} {_ending(run_dir, job_id, error)}")
+    print(f"gpujobs: per-rank logs in {folder}")
     return 1
 
 

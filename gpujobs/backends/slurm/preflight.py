@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import re
 import shutil
-import subprocess
 from dataclasses import dataclass, field
 from typing import Optional
 
+from gpujobs.backends.slurm.commands import slurm_output
 from gpujobs.base.errors import ConfigError, SubmitError
 from gpujobs.config.load import JobConfig, parse_time_minutes
-
-_TIMEOUT_S = 20
 
 
 @dataclass
@@ -40,17 +38,6 @@ class ClusterInfo:
     partitions: dict[str, PartitionInfo]
     accounts: Optional[set[str]] = None
     qos: Optional[set[str]] = None
-
-
-def _run(cmd: list[str]) -> str:
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=_TIMEOUT_S, check=False)
-    except (OSError, subprocess.TimeoutExpired) as err:
-        raise SubmitError(f"Slurm did not answer `{' '.join(cmd)}`: {err}") from None
-    if proc.returncode != 0:
-        reason = (proc.stderr or proc.stdout).strip().splitlines()
-        raise SubmitError(f"Slurm refused `{' '.join(cmd)}`: {reason[-1] if reason else proc.returncode}")
-    return proc.stdout
 
 
 def gpu_count(gres: str) -> int:
@@ -93,17 +80,17 @@ def parse_partitions(scontrol: str, sinfo: str) -> dict[str, PartitionInfo]:
 
 
 def query_cluster(job: JobConfig) -> ClusterInfo:
-    """Ask Slurm (two or three quick commands) what it can give."""
+    """Ask Slurm (two or three quick commands) what it can give; SlurmCommandError when it cannot say."""
     partitions = parse_partitions(
-        _run(["scontrol", "show", "partition", "--oneliner"]),
-        _run(["sinfo", "-h", "-N", "-o", "%N|%P|%c|%G"]),
+        slurm_output(["scontrol", "show", "partition", "--oneliner"]),
+        slurm_output(["sinfo", "-h", "-N", "-o", "%N|%P|%c|%G"]),
     )
     info = ClusterInfo(partitions)
     if shutil.which("sacctmgr") is not None:
         if job.cluster.account is not None:
-            info.accounts = set(_run(["sacctmgr", "-n", "-P", "show", "account", "format=account"]).split())
+            info.accounts = set(slurm_output(["sacctmgr", "-n", "-P", "show", "account", "format=account"]).split())
         if job.cluster.qos is not None:
-            info.qos = set(_run(["sacctmgr", "-n", "-P", "show", "qos", "format=name"]).split())
+            info.qos = set(slurm_output(["sacctmgr", "-n", "-P", "show", "qos", "format=name"]).split())
     return info
 
 
@@ -174,7 +161,7 @@ def preflight_slurm(job: JobConfig, cache: Optional[dict[tuple[bool, bool], Clus
 
 def max_array_size() -> int:
     """The cluster's MaxArraySize: array indices must stay below it (Slurm's default is 1001)."""
-    for line in _run(["scontrol", "show", "config"]).splitlines():
+    for line in slurm_output(["scontrol", "show", "config"]).splitlines():
         key, _, value = line.partition("=")
         if key.strip() == "MaxArraySize" and value.strip().isdigit():
             return int(value.strip())

@@ -14,10 +14,11 @@ cannot be excluded (Slurm's commands fail) is said in the attempt's line; the jo
 
 from __future__ import annotations
 
-import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional
+
+from gpujobs.backends.slurm.commands import SlurmCommandError, slurm_output
 
 #: What each blaming reason is called in the refusal line.
 _AFTER = {"hung": "a hang", "unhealthy": "a failed health check", "failed": "a crash"}
@@ -48,38 +49,25 @@ def plan(
     return Exclusion(list(dict.fromkeys(excluded)), refused=why)
 
 
-class SlurmQueryError(RuntimeError):
-    """A Slurm command that the exclusion needs failed or did not answer."""
-
-
-def _run(cmd: list[str]) -> str:
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=False)
-    except (OSError, subprocess.TimeoutExpired) as err:
-        raise SlurmQueryError(f"{cmd[0]} could not run: {err}") from None
-    if proc.returncode != 0:
-        raise SlurmQueryError(f"{' '.join(cmd[:3])} failed: {(proc.stderr or proc.stdout).strip() or proc.returncode}")
-    return proc.stdout
-
-
 def partition_nodes(partition: str) -> list[str]:
-    """Every node of `partition`, by name (sinfo expands the host list); raises SlurmQueryError."""
-    out = _run(["sinfo", "--noheader", "--Node", "--format=%N", f"--partition={partition}"])
+    """Every node of `partition`, by name (sinfo expands the host list); raises SlurmCommandError."""
+    out = slurm_output(["sinfo", "--noheader", "--Node", "--format=%N", f"--partition={partition}"])
     return [*dict.fromkeys(line.strip() for line in out.splitlines() if line.strip())]
 
 
 def expand_hostlist(hostlist: Optional[str]) -> list[str]:
-    """The node names of a Slurm host list such as `node[3-4],gpu7` (`cluster.exclude`); raises SlurmQueryError."""
+    """The node names of a Slurm host list such as `node[3-4],gpu7` (`cluster.exclude`); raises SlurmCommandError."""
     if not hostlist:
         return []
-    return [line.strip() for line in _run(["scontrol", "show", "hostnames", hostlist]).splitlines() if line.strip()]
+    out = slurm_output(["scontrol", "show", "hostnames", hostlist])
+    return [line.strip() for line in out.splitlines() if line.strip()]
 
 
 def exclude(job_id: str, nodes: Sequence[str]) -> Optional[str]:
     """Set the job's exclude list to `nodes` (call it right after `scontrol requeue`, see above); None
     once done, else what went wrong."""
     try:
-        _run(["scontrol", "update", f"JobId={job_id}", f"ExcNodeList={','.join(nodes)}"])
-    except SlurmQueryError as err:
+        slurm_output(["scontrol", "update", f"JobId={job_id}", f"ExcNodeList={','.join(nodes)}"])
+    except SlurmCommandError as err:
         return str(err)
     return None

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from gpujobs.attempt.preemption import slurm_job_id
+from gpujobs.backends import backend_for
 from gpujobs.backends.jobenv import DistInfo
 from gpujobs.base.atomic import JsonlTail
 from gpujobs.config.load import JobConfig, TelemetryConfig
@@ -58,7 +59,7 @@ class Telemetry:
             self.exporter = PrometheusExporter(job.name, peers)
             sd_dir = Path(cfg.prometheus_sd_dir) if cfg.prometheus_sd_dir is not None else None
             # the Slurm id only under Slurm: a local run inside an allocation is no Slurm job of its own
-            labels = {"node": info.node, "slurm_job_id": (slurm_job_id() or "") if job.cluster.name == "slurm" else ""}
+            labels = {"node": info.node, "slurm_job_id": (slurm_job_id() or "") if backend_for(job).queues else ""}
             self.exporter.start(cfg.prometheus_port, cfg.prometheus_addr, run_dir, sd_dir, labels,
                                 cfg.imbalance_threshold)
         if info.local_rank == 0 and cfg.gpu:

@@ -1,8 +1,11 @@
-"""Follow a running job from the submit side: rank 0's metrics as progress, then its outcome."""
+"""Follow a running job from its run dir: rank 0's metrics as progress, then its outcome (torch-free).
+
+The local launcher and the Slurm backend both follow a job this way; whether the job is over is the
+caller's to say (`JobFollower.follow`'s `over`): a scheduler's job is over only once the scheduler says so.
+"""
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -11,7 +14,6 @@ from typing import Any, Optional
 from gpujobs.base.atomic import JsonlTail
 from gpujobs.config.load import JobConfig
 from gpujobs.rundir import METRICS_FILE, RESULT_FILE
-from gpujobs.rundir.lease import LIVE_STATES, slurm_state
 from gpujobs.rundir.progress import ProgressView
 from gpujobs.rundir.records import read_attempts, read_result
 
@@ -49,14 +51,17 @@ class JobFollower:
         for record in self.metrics.poll():
             self.view.update(record)
 
-    def follow(self, sjob: Any, tick: Optional[Callable[[], object]] = None) -> Optional[str]:
-        """Show progress until `sjob` ends; None when every rank succeeded, else the failure's last line.
+    def follow(self, sjob: Any, tick: Optional[Callable[[], object]] = None,
+               over: Optional[Callable[[], bool]] = None) -> Optional[str]:
+        """Show progress until `sjob` (a submitit job) ends; None when every rank succeeded, else the
+        failure's last line.
 
-        `tick` (the hang watchdog's) is called at every poll while the job runs.
+        `tick` (the hang watchdog's) is called at every poll while the job runs; `over` says whether the
+        job is over (default: submitit's `done`, every task's result file is there).
         """
         import submitit
 
-        over = SlurmEnd(sjob).over if isinstance(sjob, submitit.SlurmJob) else sjob.done
+        over = over if over is not None else sjob.done
         try:
             while not over():
                 self._show_new()
@@ -107,38 +112,6 @@ def ranks_of_last_attempt(run_dir: Path, job_id: str) -> Optional[int]:
         return attempts[-1].world_size
     result = read_result(run_dir)
     return result.world_size if result is not None else None
-
-
-class SlurmEnd:
-    """Whether a Slurm job is over: its tasks' result files are there *and* Slurm no longer runs or
-    queues it.
-
-    submitit calls a job done once every task has a result file. A requeued job keeps the files of its
-    instance before until its ranks write new ones: a rank that failed there (its error pickled) counts
-    as done while the requeued instance runs, and its old error would be read as the job's ending. And
-    the batch step's supervisor writes its ledger line after the ranks end. So the job is over only once
-    Slurm says so. A Slurm that cannot be asked is trusted to the files after `patience_s`.
-    """
-
-    def __init__(self, sjob: Any, patience_s: float = 120.0, ask_every_s: float = 1.0) -> None:
-        self.sjob = sjob
-        self.patience_s = patience_s
-        self.ask_every_s = ask_every_s
-        self._asked = -math.inf
-        self._unasked_since: Optional[float] = None
-
-    def over(self) -> bool:
-        """Whether the job is over (asks `squeue` at most every `ask_every_s`, and only once done)."""
-        now = time.monotonic()
-        if now - self._asked < self.ask_every_s or not self.sjob.done():
-            return False
-        self._asked = now
-        state = slurm_state(str(self.sjob.job_id))
-        if state is None:  # squeue failed: the files say done, and they are believed after a while
-            self._unasked_since = self._unasked_since if self._unasked_since is not None else now
-            return now - self._unasked_since >= self.patience_s
-        self._unasked_since = None
-        return state not in LIVE_STATES
 
 
 def failure_line(err: Exception) -> str:
