@@ -56,6 +56,8 @@ class JobFollower:
         """
         import submitit
 
+        from gpujobs.backends.submitit_private import JOB_ENDED_WITHOUT_RESULT
+
         over = SlurmEnd(sjob).over if isinstance(sjob, submitit.SlurmJob) else sjob.done
         try:
             while not over():
@@ -68,7 +70,7 @@ class JobFollower:
         except KeyboardInterrupt:
             sjob.cancel()
             raise
-        except (submitit.core.utils.FailedJobError, submitit.core.utils.UncompletedJobError) as err:
+        except JOB_ENDED_WITHOUT_RESULT as err:
             return failure_line(err)
         return None
 
