@@ -18,7 +18,7 @@ from gpujobs.base.errors import GpujobsError
 SWEEP_FILE = "sweep.json"
 
 
-class SweepPoint(Protocol):
+class ListedPoint(Protocol):
     """What `sweep.json` keeps of a point (`gpujobs.launch.sweep.Point`)."""
 
     num: int
@@ -26,7 +26,7 @@ class SweepPoint(Protocol):
     run_dir: Path
 
 
-def write_sweep_file(sweep_dir: Path, points: Sequence[SweepPoint]) -> None:
+def write_sweep_file(sweep_dir: Path, points: Sequence[ListedPoint]) -> None:
     """`sweep.json`: every point's number, overrides and run dir, for the management commands."""
     existing = read_sweep_file(sweep_dir)
     known = {entry["num"]: entry for entry in existing}
