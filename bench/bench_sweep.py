@@ -130,8 +130,8 @@ def main() -> None:
           f"ratio {statistics.median(ratios):5.2f}x (rounds {', '.join(f'{r:.1f}' for r in ratios)})")
     print(f"  basic sweeper + gpujobs launcher:       {basic:7.2f} s   ratio {basic / fast:5.2f}x (one round)")
     if before:
-        print(f"  the same, gpujobs of {args.before}: {statistics.median(before):7.2f} s   rounds "
-              f"{', '.join(f'{b:.2f}' for b in before)}")
+        print(f"  the same, before (--before):            {statistics.median(before):7.2f} s   rounds "
+              f"{', '.join(f'{b:.2f}' for b in before)} ({args.before})")
     print(f"  {args.points} single gpujobs submissions:       {singles:7.2f} s   ratio {singles / fast:5.2f}x"
           + (f" (timed {args.singles}, scaled)" if args.singles != args.points else ""))
 
