@@ -154,9 +154,9 @@ def start(job: JobConfig, run_dir: Path) -> int:
         return run_debug(job, run_dir)
     try:
         if job.cluster.name == "slurm":
-            from gpujobs.backends.slurm.executor import run_slurm
+            from gpujobs.backends.slurm.queue import start_slurm
 
-            return run_slurm(job, run_dir)
+            return start_slurm(job, run_dir)
         from gpujobs.attempt.local import run_local
 
         return run_local(job, run_dir)
