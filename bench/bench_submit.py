@@ -1,6 +1,6 @@
 """Submit latency on the live Slurm cluster: gpujobs against raw `sbatch --wrap` + a Python start.
 
-    SLURM_CONF=... python bench/bench_submit.py [--rounds 7]
+    SLURM_CONF=... python bench/bench_submit.py [--rounds 7] [--before DIR]
 
 Each round times, side by side: (a) `python -m gpujobs.submit +experiment=rec +debug=tiny cluster=slurm`
 until it returns (job queued, config validated, preflight done); (b) a bare `python -c pass` plus
@@ -8,14 +8,17 @@ until it returns (job queued, config validated, preflight done); (b) a bare `pyt
 that composes the same config with Hydra's compose API, plus the same `sbatch` (the floor of any
 Hydra-configured submitter); and (d) a Hydra main over the same config that does nothing, plus the same
 `sbatch` (the floor of a submitter that is a Hydra main, as `gpujobs.submit` is). Rounds rotate the
-order; median ratios a/b, a/c and a/d are reported. Every queued job is cancelled as soon as its
-timing ends, so that none runs beside a later measurement.
+order; median ratios a/b, a/c and a/d are reported. With `--before DIR` (a checkout of an earlier
+commit, e.g. `git worktree add DIR COMMIT`), (a) is also timed with DIR's gpujobs, in the same rounds, so
+that a change is measured side by side. Every queued job is cancelled as soon as its timing ends, so that
+none runs beside a later measurement.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import statistics
 import subprocess
@@ -46,25 +49,35 @@ def cancel(jobs: list[str]) -> None:
     subprocess.run(["scancel", *jobs], check=False)
 
 
-def timed(cmd: list[str], cwd: Path) -> tuple[float, str]:
+def timed(cmd: list[str], cwd: Path, env: dict[str, str] | None = None) -> tuple[float, str]:
     start = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, check=True)
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, check=True, env=env)
     return time.perf_counter() - start, proc.stdout
+
+
+def with_path(checkout: Path) -> dict[str, str]:
+    """This environment with `checkout`'s gpujobs (and its conf/) first on the path (`python -m` in `checkout`
+    puts it first anyway: the working directory comes before PYTHONPATH)."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in [str(checkout), os.environ.get("PYTHONPATH")] if p)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--before", type=Path, help="a checkout of an earlier commit, timed beside this one")
     args = parser.parse_args()
-    times: dict[str, list[float]] = {"gpujobs": [], "raw": [], "hydra": [], "hydra_main": []}
+    times: dict[str, list[float]] = {"gpujobs": [], "raw": [], "hydra": [], "hydra_main": [], "before": []}
     with tempfile.TemporaryDirectory() as tmp:
         for round_ in range(args.rounds):
-            def gpujobs(round_: int = round_) -> None:
+            def gpujobs(round_: int = round_, name: str = "gpujobs", checkout: Path = REPO) -> None:
                 seconds, out = timed(
-                    [sys.executable, "-m", "gpujobs.submit", f"hydra.run.dir={tmp}/run{round_}",
-                     "+experiment=rec", "+debug=tiny", "cluster=slurm"], REPO)
+                    [sys.executable, "-m", "gpujobs.submit", f"hydra.run.dir={tmp}/{name}{round_}",
+                     "+experiment=rec", "+debug=tiny", "cluster=slurm"], checkout, with_path(checkout))
                 cancel(re.findall(r"submitted Slurm job (\d+)", out))
-                times["gpujobs"].append(seconds)
+                times[name].append(seconds)
+
+            def before(round_: int = round_) -> None:
+                gpujobs(round_, "before", args.before)
 
             def python_then_sbatch(name: str, *python: str) -> None:
                 python_s, _ = timed([sys.executable, *python], REPO)
@@ -82,12 +95,16 @@ def main() -> None:
                 python_then_sbatch("hydra_main", "-c", HYDRA_MAIN, f"hydra.run.dir={tmp}/noop{round_}",
                                    "+experiment=rec", "+debug=tiny", "cluster=slurm")
 
-            steps = [gpujobs, raw, hydra, hydra_main]
+            steps = [gpujobs, raw, hydra, hydra_main] + ([before] if args.before else [])
             for step in steps[round_ % len(steps):] + steps[: round_ % len(steps)]:
                 step()
-    def ratio(base: str) -> float:
-        return round(statistics.median(a / b for a, b in zip(times["gpujobs"], times[base], strict=True)), 3)
+    def ratio(base: str, of: str = "gpujobs") -> float:
+        return round(statistics.median(a / b for a, b in zip(times[of], times[base], strict=True)), 3)
 
+    before = {} if not args.before else {
+        "before_submit_s": round(statistics.median(times["before"]), 3),
+        "before_ratio_vs_noop_hydra_main": ratio("hydra_main", "before"),
+    }
     print(json.dumps({
         "rounds": args.rounds,
         "gpujobs_submit_s": round(statistics.median(times["gpujobs"]), 3),
@@ -97,6 +114,7 @@ def main() -> None:
         "ratio_vs_raw": ratio("raw"),
         "ratio_vs_hydra_compose": ratio("hydra"),
         "ratio_vs_noop_hydra_main": ratio("hydra_main"),
+        **before,
     }, indent=2))
 
 

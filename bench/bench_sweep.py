@@ -1,6 +1,6 @@
 """Time to queue a 100-point sweep on the live Slurm cluster: gpujobs against Hydra's submitit launcher.
 
-    SLURM_CONF=... python bench/bench_sweep.py [--points 100] [--rounds 3] [--singles 100]
+    SLURM_CONF=... python bench/bench_sweep.py [--points 100] [--rounds 3] [--singles 100] [--before DIR]
 
 (a) `python -m gpujobs.submit -m ... trainer.seed=range(0,N)` with the gpujobs sweeper and launcher (the
 defaults), until it returns: the config composed once, every point derived from it, validated and queued
@@ -9,8 +9,9 @@ same command with `hydra/launcher=submitit_slurm` (hydra-submitit-launcher, the 
 `squeue` shows all N array tasks (it then blocks until they end, so it is stopped there). (c) N separate
 `python -m gpujobs.submit` single submissions, one after another. (a) and (b) run side by side for
 `--rounds` rounds, alternating which goes first, and the median of their per-round ratios b/a is printed;
-a'/a and c/a come from one round. Everything queued is cancelled at once (array parallelism 1, so at most
-one task runs meanwhile).
+a'/a and c/a come from one round. With `--before DIR` (a checkout of an earlier commit), (a) is also
+timed with DIR's gpujobs in the same rounds, so that a change is measured side by side. Everything queued
+is cancelled at once (array parallelism 1, so at most one task runs meanwhile).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 REPO = Path(__file__).resolve().parent.parent
 BASE = ["+experiment=rec", "+debug=tiny", "cluster=slurm", "resources.procs_per_node=1"]
@@ -45,13 +47,15 @@ def _cancel(ids: set[str]) -> None:
         subprocess.run(["scancel", *sorted(ids)], check=False)
 
 
-def time_gpujobs(points: int, tmp: Path, sweeper: str = "gpujobs") -> float:
+def time_gpujobs(points: int, tmp: Path, sweeper: str = "gpujobs", checkout: Optional[Path] = None) -> float:
+    """(a), or (a') with `sweeper="basic"`; with `checkout`, that checkout's gpujobs (first on the path)."""
     tmp.mkdir(parents=True, exist_ok=True)
+    env = None if checkout is None else {**os.environ, "PYTHONPATH": str(checkout)}
     start = time.perf_counter()
     proc = subprocess.run(
-        _submit("-m", f"hydra.sweep.dir={tmp / sweeper}", *BASE, "name=bench_gj", "cluster.array_parallelism=1",
-                f"hydra/sweeper={sweeper}", f"trainer.seed=range(0,{points})"),
-        cwd=tmp, capture_output=True, text=True, check=True,
+        _submit("-m", f"hydra.sweep.dir={tmp / (sweeper if checkout is None else 'before')}", *BASE, "name=bench_gj",
+                "cluster.array_parallelism=1", f"hydra/sweeper={sweeper}", f"trainer.seed=range(0,{points})"),
+        cwd=tmp, capture_output=True, text=True, check=True, env=env,
     )
     elapsed = time.perf_counter() - start
     _cancel(set(re.findall(r"job array (\d+)", proc.stdout)))
@@ -99,11 +103,13 @@ def main() -> None:
     parser.add_argument("--points", type=int, default=100)
     parser.add_argument("--rounds", type=int, default=3, help="rounds of (a) and (b) side by side; medians reported")
     parser.add_argument("--singles", type=int, default=100, help="single submissions to time (scaled to --points)")
+    parser.add_argument("--before", type=Path, help="a checkout of an earlier commit, timed beside this one")
     args = parser.parse_args()
     if not os.environ.get("SLURM_CONF"):
         raise SystemExit("needs the live cluster: eval \"$(bash scripts/local-slurm.sh up)\"")
     gj: list[float] = []
     hs: list[float] = []
+    before: list[float] = []
     with tempfile.TemporaryDirectory(prefix="bench_sweep_", ignore_cleanup_errors=True) as tmp:
         for round_ in range(args.rounds):
             here = Path(tmp) / str(round_)
@@ -112,6 +118,8 @@ def main() -> None:
                     gj.append(time_gpujobs(args.points, here))
                 else:
                     hs.append(time_hydra_submitit(args.points, here))
+            if args.before:
+                before.append(time_gpujobs(args.points, here, checkout=args.before))
         basic = time_gpujobs(args.points, Path(tmp) / "basic", sweeper="basic")
         singles = time_singles(args.singles, Path(tmp)) * args.points / max(args.singles, 1)
     ratios = sorted(h / g for g, h in zip(gj, hs, strict=True))
@@ -121,6 +129,9 @@ def main() -> None:
     print(f"  hydra submitit launcher (one array):    {statistics.median(hs):7.2f} s   "
           f"ratio {statistics.median(ratios):5.2f}x (rounds {', '.join(f'{r:.1f}' for r in ratios)})")
     print(f"  basic sweeper + gpujobs launcher:       {basic:7.2f} s   ratio {basic / fast:5.2f}x (one round)")
+    if before:
+        print(f"  the same, before (--before):            {statistics.median(before):7.2f} s   rounds "
+              f"{', '.join(f'{b:.2f}' for b in before)} ({args.before})")
     print(f"  {args.points} single gpujobs submissions:       {singles:7.2f} s   ratio {singles / fast:5.2f}x"
           + (f" (timed {args.singles}, scaled)" if args.singles != args.points else ""))
 

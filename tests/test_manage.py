@@ -19,13 +19,13 @@ from conftest import SLOW, compose_job, read_result, submit
 from jobctl import RunningJob
 from test_sweep import TINY, array_of, gpujobs, job_ids, sweep, wait_final, wait_gone
 
+from gpujobs.backends.follow import MetricsFollower
 from gpujobs.backends.slurm.sacct import parse_sacct, sacct_state_of
 from gpujobs.base.atomic import read_jsonl
 from gpujobs.base.errors import GpujobsError
 from gpujobs.rank.metrics import MetricsLog
 from gpujobs.rundir.attempts import AttemptLog
 from gpujobs.rundir.files import read_submissions, record_cancel, record_submission, write_config
-from gpujobs.rundir.follow import MetricsFollower
 from gpujobs.rundir.records import PlanRecord, Result, TrainRecord, read_metrics
 
 #: What a crash leaves at the end of a JSON-lines file, and lines that are no record at all.

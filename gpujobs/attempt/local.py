@@ -20,13 +20,13 @@ from typing import TYPE_CHECKING, Any, Optional
 from gpujobs.attempt import failures
 from gpujobs.attempt.evidence import descendants, kill_tree, process_start
 from gpujobs.attempt.hangs import HangReport, Watchdog
+from gpujobs.backends.follow import JobFollower
 from gpujobs.backends.jobenv import free_port
 from gpujobs.config.load import JobConfig
 from gpujobs.config.nccl import GLOO_ON_CUDA_ENV
 from gpujobs.rank.main import FromRunDir
 from gpujobs.rank.script import record_completed
 from gpujobs.rundir.attempts import AttemptLog, Decision, RequeuePolicy
-from gpujobs.rundir.follow import JobFollower
 from gpujobs.rundir.records import read_result
 
 if TYPE_CHECKING:
@@ -84,11 +84,12 @@ def _follow_attempt(job: JobConfig, run_dir: Path, executor: Any, gpus: list[Gpu
                     started: float) -> Optional[int]:
     """Follow one attempt to its end and record it where its ranks did not; returns the launcher's exit
     code, or None when the job goes again."""
+    from gpujobs.backends.submitit_private import skip_results_wait
+
     res = job.resources
     # submitit waits up to 15 s per rank for a result file that a slow shared filesystem may
     # not show yet; here the disk is local, and a rank that stopped to be requeued leaves none.
-    for task in sjob._sub_jobs or [sjob]:
-        task._results_timeout_s = 0
+    skip_results_wait(sjob)
     print(
         f"gpujobs: local job {sjob.job_id} (attempt {before + 1}): {res.ranks_per_node} ranks, "
         f"{'nccl' if res.gpus_per_node else 'gloo'}{f' on GPUs {[g.index for g in gpus]}' if gpus else ''}, "

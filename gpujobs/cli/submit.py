@@ -20,6 +20,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from gpujobs.base.errors import ConfigError, GpujobsError
 from gpujobs.config.hydra_errors import one_line
+from gpujobs.config.hydra_private import one_composition
 from gpujobs.config.packaged import config_dir
 from gpujobs.launch.sweep import PLANS_SWEEP_POINTS
 
@@ -73,20 +74,6 @@ setattr(_task, PLANS_SWEEP_POINTS, True)
 _submit = hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")(_task)
 
 
-def _skip_mode_probe() -> None:
-    """Spare a sweep Hydra's extra composition of the whole config (about 0.1 s).
-
-    Hydra 1.3 composes the config once just to read `hydra.mode` (`Hydra.get_mode`), then composes it
-    again to run. With `-m` the answer changes nothing: a mode not set (None, as in gpujobs' configs)
-    makes Hydra add the override `hydra.mode=MULTIRUN`, RUN makes it warn and add the same, and MULTIRUN
-    is already that. Answering None at once gives the same multirun; the multirun's own composition
-    still reports every error.
-    """
-    from hydra._internal.hydra import Hydra
-
-    Hydra.get_mode = lambda self, config_name, overrides: None  # type: ignore[method-assign]
-
-
 def _check_name_override(args: list[str]) -> None:
     """Refuse a `name=` override longer than a directory name before Hydra makes the default run dir
     (`outputs/${name}/...`) of it: Linux would refuse that level, and the error would name hydra.run.dir."""
@@ -120,8 +107,7 @@ def main(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> None:
     # a run dir is trusted only if no one else may write it (gpujobs.rundir.trust): under a umask of 002
     # Hydra and gpujobs would make run dirs the group may write, which the check then refuses
     os.umask(os.umask(0o022) | 0o022)
-    if {"-m", "--multirun"} & set(sys.argv[1:]):
-        _skip_mode_probe()
+    multirun = bool({"-m", "--multirun"} & set(sys.argv[1:]))
     _check_name_override(sys.argv[1:])
     # Hydra raises its composition errors instead of printing them on several lines; they are reported
     # below, one line each. A user's own HYDRA_FULL_ERROR keeps Hydra's full traceback.
@@ -129,7 +115,8 @@ def main(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> None:
     if ours:
         os.environ["HYDRA_FULL_ERROR"] = "1"
     try:
-        _submit()
+        with one_composition(multirun):  # Hydra's main composes the config twice; once is enough
+            _submit()
     except SystemExit as exit_:
         if exit_.code == 1 and not _task_started:
             raise SystemExit(EXIT_REFUSED) from None
@@ -147,7 +134,7 @@ def main(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> None:
     except OSError as err:  # before any task: Hydra making the run or sweep dir (after Hydra's: some are OSErrors)
         if _task_started:
             raise
-        key = "hydra.sweep.dir" if {"-m", "--multirun"} & set(sys.argv[1:]) else "hydra.run.dir"
+        key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
         print(f"gpujobs: {key} is invalid: allowed a directory this user can create and write "
               f"({err.strerror}: {err.filename})", file=sys.stderr)
         raise SystemExit(EXIT_REFUSED) from None

@@ -84,7 +84,7 @@ def check_start(job: JobConfig, run_dir: Path, key: str = "hydra.run.dir") -> No
     (ConfigError on `key`, the Hydra key that placed the run dir); a run dir that is not the user's alone
     (ConfigError: `gpujobs.rundir.trust`); checkpoints of another run, or ones that `checkpoint.resume=false`
     would prune (ResumeMismatch); another live job's lease (LeaseHeld). Each is one line naming the run dir."""
-    from gpujobs.launch.sweep import SWEEP_FILE
+    from gpujobs.launch.sweep_file import SWEEP_FILE
     from gpujobs.rundir import lease
     from gpujobs.rundir.resume import check_run_dir
     from gpujobs.rundir.trust import check_dir

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import os
 import time
 from collections.abc import Iterator
@@ -42,14 +41,14 @@ from pathlib import Path
 from typing import Any, Optional
 
 from gpujobs.backends import backend_for
-from gpujobs.base.atomic import fsync_batch, write_json_atomic, write_text_atomic
-from gpujobs.base.errors import ConfigError, GpujobsError, SubmitError
+from gpujobs.base.atomic import fsync_batch, write_text_atomic
+from gpujobs.base.errors import ConfigError, SubmitError
 from gpujobs.config.load import JobConfig
 from gpujobs.launch import check_start, preflight
+from gpujobs.launch.sweep_file import read_sweep_file, unlist, write_sweep_file
 from gpujobs.rundir import CONFIG_FILE, SBATCH_FILE
 from gpujobs.rundir.files import discard_if_empty, write_config
 
-SWEEP_FILE = "sweep.json"
 #: Set (True) on a task function that, in a gpujobs sweep, only plans its point (`gpujobs.submit`'s): the
 #: gpujobs sweeper may then derive the points' configs from one composition instead of composing each.
 PLANS_SWEEP_POINTS = "gpujobs_plans_sweep_points"
@@ -198,69 +197,6 @@ def header_groups(points: list[Point], folder: Path) -> list[list[Point]]:
     return list(groups.values())
 
 
-def write_sweep_file(sweep_dir: Path, points: list[Point]) -> None:
-    """`sweep.json`: every point's number, overrides and run dir, for the management commands."""
-    existing = read_sweep_file(sweep_dir)
-    known = {entry["num"]: entry for entry in existing}
-    for point in points:
-        known[point.num] = {"num": point.num, "overrides": point.overrides, "run_dir": str(point.run_dir)}
-    write_json_atomic(sweep_dir / SWEEP_FILE, {"points": [known[num] for num in sorted(known)]})
-
-
-def _unlist(sweep_dir: Path, nums: set[int]) -> None:
-    """Take points out of `sweep.json` (the file goes when none is left)."""
-    left = [entry for entry in read_sweep_file(sweep_dir) if entry["num"] not in nums]
-    if left:
-        write_json_atomic(sweep_dir / SWEEP_FILE, {"points": left})
-    else:
-        (sweep_dir / SWEEP_FILE).unlink(missing_ok=True)
-
-
-def read_sweep_file(sweep_dir: Path) -> list[dict[str, Any]]:
-    """The points `sweep.json` lists (empty when there is none), each {"num", "overrides", "run_dir"}.
-
-    It is written whole (atomically), so anything else in it (not JSON, another shape, an unreadable
-    file) was made by hand or by another tool: a GpujobsError naming the file, never a guess.
-    """
-    path = sweep_dir / SWEEP_FILE
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        return []
-    except OSError as err:  # a directory in its place, no permission
-        raise GpujobsError(f"{path} cannot be read: {err.strerror}") from None
-    try:
-        document = json.loads(data)
-    except ValueError as err:  # not JSON, or not UTF-8
-        raise GpujobsError(f"{path} is damaged: not JSON ({err})") from None
-    points = document.get("points") if isinstance(document, dict) else None
-    if not isinstance(points, list):
-        found = (f"it is {_shape(document)}" if not isinstance(document, dict) else
-                 'it has no "points"' if "points" not in document else f'"points" is {_shape(points)}')
-        raise GpujobsError(f'{path} is damaged: expected {{"points": [...]}}, {found}')
-    for at, entry in enumerate(points):
-        if not _is_entry(entry):
-            raise GpujobsError(f'{path} is damaged: point {at} is not {{"num": int, "overrides": [str...], '
-                               f'"run_dir": str}}: {json.dumps(entry)[:80]}')
-    return list(points)
-
-
-def _is_entry(entry: Any) -> bool:
-    """One point as `write_sweep_file` writes it."""
-    if not isinstance(entry, dict):
-        return False
-    num, overrides, run_dir = entry.get("num"), entry.get("overrides"), entry.get("run_dir")
-    return (isinstance(num, int) and not isinstance(num, bool) and isinstance(run_dir, str) and bool(run_dir)
-            and isinstance(overrides, list) and all(isinstance(o, str) for o in overrides))
-
-
-def _shape(value: Any) -> str:
-    """What a JSON value is, in a word (for the error line)."""
-    if value is None:
-        return "null"
-    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean"}.get(type(value), "a number")
-
-
 def array_executor(points: list[Point], folder: Path) -> tuple[Any, Path]:
     """The executor of one array over `points`, and the list file its tasks read their run dir from."""
     from gpujobs.backends.slurm.executor import GpujobsSlurmExecutor
@@ -338,10 +274,9 @@ def wait_for(outcomes: list[Outcome]) -> None:
 
     submitit's watcher asks `sacct` once per poll for every job it knows, not once per point.
     """
-    import submitit
-
+    from gpujobs.backends.follow import failure_line, results
     from gpujobs.backends.slurm.jobs import SlurmEnd
-    from gpujobs.rundir.follow import failure_line, results
+    from gpujobs.backends.submitit_private import JOB_ENDED_WITHOUT_RESULT
 
     ends = {id(o): SlurmEnd(o.handle, ask_every_s=0) for o in outcomes if o.handle is not None}
     pending = [o for o in outcomes if o.handle is not None]
@@ -350,7 +285,7 @@ def wait_for(outcomes: list[Outcome]) -> None:
             pending.remove(outcome)
             try:
                 results(outcome.handle, outcome.point.run_dir)
-            except (submitit.core.utils.FailedJobError, submitit.core.utils.UncompletedJobError) as err:
+            except JOB_ENDED_WITHOUT_RESULT as err:
                 outcome.code, outcome.error = 1, failure_line(err)
         if pending:
             time.sleep(1.0)
@@ -386,7 +321,7 @@ def _carry_out(plan: SweepPlan) -> list[Outcome]:
         try:
             queued = submit_arrays(slurm, folder, dry_run=dry_run)
         except ArrayRefused as refused:  # sweep.json keeps the points that were queued, and only those
-            _unlist(plan.sweep_dir, {p.num for p in slurm} - {o.point.num for o in refused.queued})
+            unlist(plan.sweep_dir, {p.num for p in slurm} - {o.point.num for o in refused.queued})
             if not refused.queued:
                 discard_if_empty(folder)
             raise

@@ -100,9 +100,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = parse_args(argv)
 
     import submitit
-    from submitit.core.submission import process_job
-    from submitit.core.utils import DelayedSubmission, JobPaths, cloudpickle_dump
 
+    from gpujobs.backends.submitit_private import DelayedSubmission, cloudpickle_dump, process_job, submitted_pickle
     from gpujobs.rank.main import make_payload
 
     os.environ["SUBMITIT_FOLDER"] = str(args.folder)
@@ -114,7 +113,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     delayed = DelayedSubmission(make_payload(job, train_dir))
     delayed.set_timeout(job.cluster.timeout_min, max_num_timeout=3)
     # Every rank writes the same payload where submitit's runner looks for it; rename keeps it whole.
-    pickle = JobPaths(args.folder, job_id=env.job_id).submitted_pickle
+    pickle = submitted_pickle(args.folder, env.job_id)
     pickle.parent.mkdir(parents=True, exist_ok=True)
     tmp = pickle.with_name(f".{pickle.name}.{uuid.uuid4().hex}")
     cloudpickle_dump(delayed, tmp)

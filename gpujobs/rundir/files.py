@@ -12,11 +12,11 @@ from typing import Any, Optional
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
-from omegaconf._utils import get_omega_conf_dumper
 from omegaconf.errors import OmegaConfBaseException
 
 from gpujobs.base.atomic import FsyncBatch, append_jsonl, read_jsonl, write_text_atomic
 from gpujobs.base.errors import ConfigError, GpujobsError
+from gpujobs.config.hydra_private import omegaconf_str_representer
 from gpujobs.config.load import JobConfig, load_config
 from gpujobs.rundir import CONFIG_FILE, SUBMISSIONS_FILE
 
@@ -25,7 +25,7 @@ class _Dumper(getattr(yaml, "CDumper", yaml.Dumper)):  # type: ignore[misc]
     """OmegaConf's YAML dumper (quotes strings that would read back as bool or number), on libyaml if built."""
 
 
-_Dumper.add_representer(str, get_omega_conf_dumper().str_representer)
+_Dumper.add_representer(str, omegaconf_str_representer())
 
 
 def _plain(value: Any) -> bool:

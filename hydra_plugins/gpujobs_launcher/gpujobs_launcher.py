@@ -17,12 +17,10 @@ from pathlib import Path
 from typing import Any, Optional
 
 from hydra.core.hydra_config import HydraConfig
-from hydra.core.utils import JobReturn, JobStatus, configure_log, filter_overrides, run_job, setup_globals
+from hydra.core.utils import JobReturn, configure_log, filter_overrides, run_job, setup_globals
 from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf, open_dict
-
-from hydra_plugins.gpujobs_launcher.gpujobs_sweeper import set_values
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +64,8 @@ class GpujobsLauncher(Launcher):
         self, batch: Sequence[Sequence[str]], points: Iterable[tuple[DictConfig, DictConfig]]
     ) -> list[JobReturn]:
         """What `run_job` does for each point, less its copies and writes: the gpujobs task only plans it."""
+        from gpujobs.config.hydra_private import completed_job, set_values
+
         assert self.config is not None and self.task_function is not None
         for num, overrides in enumerate(batch):
             log.info(f"\t#{num} : {' '.join(filter_overrides(overrides))}")
@@ -77,8 +77,7 @@ class GpujobsLauncher(Launcher):
             hydra: Any = HydraConfig.get()  # a DictConfig (the point's `hydra` node)
             set_values(hydra, {"runtime.output_dir": os.path.abspath(output_dir)})
             value = self.task_function(task)
-            runs.append(JobReturn(overrides=list(hydra.overrides.task), working_dir=os.getcwd(),
-                                  status=JobStatus.COMPLETED, _return_value=value))
+            runs.append(completed_job(list(hydra.overrides.task), os.getcwd(), value))
         configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
         return runs
 

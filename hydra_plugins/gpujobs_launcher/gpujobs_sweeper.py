@@ -27,12 +27,14 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Optional
 
-from hydra._internal.config_loader_impl import ConfigLoaderImpl, get_overrides_dirname
-from hydra._internal.core_plugins import basic_sweeper
+# Hydra's private names are used through `gpujobs.config.hydra_private`, imported where they are used:
+# Hydra's plugin discovery imports this module, and must not import gpujobs. The base class is the one
+# exception, imported here (it is listed there too, and checked by tests/test_private_apis.py).
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override, OverrideType
-from omegaconf import DictConfig, ListConfig, OmegaConf, ValueNode, open_dict, read_write
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +48,7 @@ def _elements(override: Override) -> list[Any]:
     return list(override.sweep_iterator()) if override.is_sweep_override() else [override.value()]
 
 
-class GpujobsSweeper(basic_sweeper.BasicSweeper):
+class GpujobsSweeper(BasicSweeper):
     """Basic sweeper with a compose-once path for gpujobs value sweeps (see the module docstring)."""
 
     def __init__(self, max_batch_size: Optional[int] = None, params: Optional[dict[str, str]] = None) -> None:
@@ -82,12 +84,13 @@ class GpujobsSweeper(basic_sweeper.BasicSweeper):
         """The parsed overrides and the keys each point sets, when every point derives from the sweep's
         composition; else None. A point sets its swept keys and the keys of the sweeper's `params`, which
         the sweep's composition (of the command line) lacks."""
+        from gpujobs.config.hydra_private import config_repository
         from gpujobs.launch.sweep import PLANS_SWEEP_POINTS
         from hydra_plugins.gpujobs_launcher.gpujobs_launcher import GpujobsLauncher
 
         assert self.config is not None and self.hydra_context is not None
         hydra = self.config.hydra
-        repository = getattr(self.hydra_context.config_loader, "repository", None)
+        repository = config_repository(self.hydra_context.config_loader)
         if (
             not getattr(self.task_function, PLANS_SWEEP_POINTS, False)
             or not isinstance(self.launcher, GpujobsLauncher)
@@ -158,27 +161,30 @@ class DerivedPoints:
 
     def __iter__(self) -> Iterator[tuple[DictConfig, DictConfig]]:
         """Each point's full config and task config, in order; valid until the next point is taken."""
+        from gpujobs.config.hydra_private import overrides_dirname, set_hydra_config, set_values
+
         dirname = self.full.hydra.job.config.override_dirname
         for num, parsed in enumerate(self.batch):
             self._apply(parsed)
             task = [o for o in parsed if not o.is_hydra_override()]
             values = {
                 "overrides.task": [o.input_line for o in task],
-                "job.override_dirname": get_overrides_dirname(
-                    overrides=task, kv_sep=dirname.kv_sep, item_sep=dirname.item_sep,
-                    exclude_keys=list(dirname.exclude_keys),
+                "job.override_dirname": overrides_dirname(
+                    task, kv_sep=dirname.kv_sep, item_sep=dirname.item_sep, exclude_keys=list(dirname.exclude_keys),
                 ),
                 "job.id": num,
                 "job.num": num,
             }
             set_values(self.full.hydra, values)
             if num == 0:  # later points change its copy of the node where they differ; it resolves
-                HydraConfig.instance().set_config(self.full)  # interpolations against `full`, its parent
+                set_hydra_config(self.full)  # interpolations against `full`, its parent
             else:
                 set_values(HydraConfig.get(), values)  # type: ignore[arg-type]  # a DictConfig at run time
             yield self.full, self.task
 
     def _apply(self, parsed: list[Override]) -> None:
+        from gpujobs.config.hydra_private import apply_overrides
+
         changed = [copy.copy(o) for o in parsed if o.key_or_group in self.applied]
         for override in changed:
             # `+key=v` adds the key at the first point (and, where it exists already, fails as Hydra's would);
@@ -186,28 +192,6 @@ class DerivedPoints:
             if override.type == OverrideType.ADD and override.key_or_group in self.added:
                 override.type = OverrideType.FORCE_ADD
         for cfg in (self.full, self.task):
-            ConfigLoaderImpl._apply_overrides_to_config(changed, cfg)
+            apply_overrides(changed, cfg)
         self.added.update(o.key_or_group for o in changed if o.type == OverrideType.ADD)
 
-
-def set_values(node: DictConfig, values: dict[str, Any]) -> None:
-    """`node[key] = value` for each dotted key, as assignment does it, but in place where the key holds a
-    value already: through its value node (a list, element by element), which skips the rest of
-    OmegaConf's assignment machinery. Hydra's `hydra` node is typed, so assigning one string there costs
-    about 0.1 ms, and a sweep sets five a point."""
-    with read_write(node), open_dict(node):
-        for dotted, value in values.items():
-            *path, key = dotted.split(".")
-            parent: Any = node
-            for part in path:
-                parent = parent._get_node(part)
-            child = parent._get_node(key) if key in parent else None
-            items = [child._get_node(i) for i in range(len(child))] if isinstance(child, ListConfig) else None
-            if isinstance(child, ValueNode):
-                child._set_value(value)
-            elif (items is not None and isinstance(value, list) and len(items) == len(value)
-                  and all(isinstance(item, ValueNode) for item in items)):
-                for item, new in zip(items, value, strict=True):
-                    item._set_value(new)  # type: ignore[union-attr]
-            else:
-                parent[key] = value

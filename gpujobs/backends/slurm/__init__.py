@@ -35,9 +35,9 @@ class SlurmBackend(Scheduler):
         preflight.preflight_slurm(job, cache)
 
     def render(self, job: JobConfig, run_dir: Path) -> str:
-        from gpujobs.backends.slurm.executor import single_executor
+        from gpujobs.backends.slurm.sbatch import run_dir_script
 
-        return single_executor(job, run_dir).script()
+        return run_dir_script(job, run_dir)
 
     def start(self, job: JobConfig, run_dir: Path) -> int:
         job_id = self.submit(job, run_dir)
@@ -45,9 +45,9 @@ class SlurmBackend(Scheduler):
         return self.follow(job, run_dir, job_id) if self.follows(job) else 0
 
     def submit(self, job: JobConfig, run_dir: Path) -> str:
-        from gpujobs.backends.slurm.executor import submit_slurm
+        from gpujobs.backends.slurm.queue import queue_single  # sbatch alone: submitit's import is a tenth of a submit
 
-        return str(submit_slurm(job, run_dir).job_id)
+        return queue_single(job, run_dir)
 
     def follow(self, job: JobConfig, run_dir: Path, job_id: str) -> int:
         from gpujobs.backends.slurm.executor import follow_slurm

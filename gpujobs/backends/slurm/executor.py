@@ -6,7 +6,7 @@ returns as soon as the job is queued; `cluster.wait=true` follows it to its end.
 Nothing is pickled here: the script runs `gpujobs.rank.srun`, which builds each task's payload from
 its run dir's config.yaml. A single job and a job array (a sweep) go through the same executor, so
 there is one renderer: submitit's own array path (`map_array`, `batch()`) would copy a plain
-`SlurmExecutor` and bypass it, which is why `_internal_process_submissions` refuses.
+`SlurmExecutor` and bypass it, which is why pickled submissions are refused (`RenderedSlurmExecutor`).
 """
 
 from __future__ import annotations
@@ -18,16 +18,16 @@ from typing import Any, Optional
 
 import submitit
 
-from gpujobs.backends.slurm.sbatch import job_command, render_sbatch, sbatch_request
+from gpujobs.backends.slurm.sbatch import render_sbatch, run_dir_script, sbatch_request
+from gpujobs.backends.submitit_private import FailedJobError, RenderedSlurmExecutor
 from gpujobs.base.atomic import FsyncBatch, write_text_atomic
 from gpujobs.base.errors import SubmitError
 from gpujobs.config.load import JobConfig
-from gpujobs.rundir import SBATCH_FILE, lease
-from gpujobs.rundir.files import record_submission
+from gpujobs.rundir import SBATCH_FILE
 from gpujobs.rundir.records import read_attempts
 
 
-class GpujobsSlurmExecutor(submitit.SlurmExecutor):
+class GpujobsSlurmExecutor(RenderedSlurmExecutor):
     """submitit's executor whose submission file is `render_sbatch`'s text, not a second renderer."""
 
     def __init__(self, folder: Path, job: JobConfig, command: str, *, array: Optional[str] = None) -> None:
@@ -47,12 +47,6 @@ class GpujobsSlurmExecutor(submitit.SlurmExecutor):
         """The exact text `sbatch` gets (also what a dry run prints)."""
         return render_sbatch(sbatch_request(self.job, self.folder, self.command, array=self.array))
 
-    def _make_submission_file_text(self, command: str, uid: str) -> str:
-        return self.script()
-
-    def _internal_process_submissions(self, delayed_submissions: list[Any]) -> list[Any]:
-        raise NotImplementedError("gpujobs builds payloads job-side from the run dir: use submit_script()")
-
     def submit_script(self, array_size: int = 1) -> list[submitit.SlurmJob[Any]]:
         """One `sbatch` of the script; with an array, one submitit job per array index (`A_i`)."""
         made = not self.folder.exists()
@@ -60,8 +54,8 @@ class GpujobsSlurmExecutor(submitit.SlurmExecutor):
         before = set(self.folder.iterdir())
         try:
             with contextlib.redirect_stderr(io.StringIO()):  # submitit prints sbatch's refusal: said below, once
-                first = self._submit_command(self.command)
-        except submitit.core.utils.FailedJobError as err:  # sbatch itself refused
+                first = self.submit_command(self.command)
+        except FailedJobError as err:  # sbatch itself refused
             for leftover in set(self.folder.iterdir()) - before:  # submitit's script, named for the job it never got
                 leftover.unlink(missing_ok=True)
             if made:
@@ -70,48 +64,22 @@ class GpujobsSlurmExecutor(submitit.SlurmExecutor):
             raise SubmitError(f"sbatch refused the job: {str(err).strip().splitlines()[-1]}") from None
         if self.array is None:
             return [first]  # type: ignore[list-item]
-        tasks = list(range(self._num_tasks()))
+        tasks = list(range(self.num_tasks()))
         return [submitit.SlurmJob(self.folder, f"{first.job_id}_{i}", tasks=tasks) for i in range(array_size)]
-
-
-def _single(job: JobConfig, run_dir: Path) -> tuple[Path, str]:
-    folder = run_dir / job.cluster.folder
-    return folder, job_command(folder, run_dir=run_dir)
-
-
-def single_executor(job: JobConfig, run_dir: Path) -> GpujobsSlurmExecutor:
-    """The executor of `run_dir` as one job (what `submit.sbatch` of every Slurm run dir holds)."""
-    folder, command = _single(job, run_dir)
-    return GpujobsSlurmExecutor(folder, job, command)
 
 
 def keep_script(run_dir: Path, job: JobConfig, batch: Optional[FsyncBatch] = None) -> None:
     """Write `submit.sbatch`: the script that runs this run dir alone, queued again by hand with sbatch.
 
-    The text `single_executor(job, run_dir).script()` gives, without building an executor per point.
+    The text that a single submission of it queues (`run_dir_script`).
     """
-    folder, command = _single(job, run_dir)
-    write_text_atomic(run_dir / SBATCH_FILE, render_sbatch(sbatch_request(job, folder, command)), batch)
-
-
-def submit_slurm(job: JobConfig, run_dir: Path) -> Any:
-    """Queue the run dir's job; keep the exact script as `submit.sbatch`; return submitit's job.
-
-    The run dir's lease passes to the new job; LeaseHeld when another live job holds it.
-    """
-    lease.check_free(run_dir, lease.here())
-    executor = single_executor(job, run_dir)
-    sjob = executor.submit_script()[0]
-    lease.replace(run_dir, lease.here(sjob.job_id))
-    write_text_atomic(run_dir / SBATCH_FILE, sjob.paths.submission_file.read_text())
-    record_submission(run_dir, sjob.job_id, executor.folder)
-    return sjob
+    write_text_atomic(run_dir / SBATCH_FILE, run_dir_script(job, run_dir), batch)
 
 
 def follow_slurm(job: JobConfig, run_dir: Path, job_id: str) -> int:
     """Show the queued job's progress until Slurm says it is over; 0 only if it completed."""
+    from gpujobs.backends.follow import JobFollower  # rich: only paid when following
     from gpujobs.backends.slurm.jobs import SlurmEnd
-    from gpujobs.rundir.follow import JobFollower  # rich: only paid when following
 
     folder = run_dir / job.cluster.folder
     sjob: submitit.SlurmJob[Any] = submitit.SlurmJob(folder, job_id, tasks=list(range(job.resources.world_size)))

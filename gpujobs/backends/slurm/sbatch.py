@@ -136,3 +136,9 @@ def _template() -> jinja2.Template:
 def render_sbatch(request: SbatchRequest) -> str:
     """The script's text. Every value from config is shell-quoted."""
     return _template().render(**dataclasses.asdict(request))
+
+
+def run_dir_script(job: JobConfig, run_dir: Path) -> str:
+    """The script that runs `run_dir` alone: what is queued, what a dry run prints and `submit.sbatch`."""
+    folder = run_dir / job.cluster.folder
+    return render_sbatch(sbatch_request(job, folder, job_command(folder, run_dir=run_dir)))

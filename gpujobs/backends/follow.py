@@ -59,7 +59,8 @@ class JobFollower:
         `tick` (the hang watchdog's) is called at every poll while the job runs; `over` says whether the
         job is over (default: submitit's `done`, every task's result file is there).
         """
-        import submitit
+
+        from gpujobs.backends.submitit_private import JOB_ENDED_WITHOUT_RESULT
 
         over = over if over is not None else sjob.done
         try:
@@ -73,7 +74,7 @@ class JobFollower:
         except KeyboardInterrupt:
             sjob.cancel()
             raise
-        except (submitit.core.utils.FailedJobError, submitit.core.utils.UncompletedJobError) as err:
+        except JOB_ENDED_WITHOUT_RESULT as err:
             return failure_line(err)
         return None
 
