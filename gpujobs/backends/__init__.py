@@ -14,6 +14,7 @@ import shutil
 from gpujobs.backends.base import Backend, Scheduler
 from gpujobs.base.errors import ConfigError
 from gpujobs.config.load import JobConfig
+from gpujobs.rundir import lease
 
 __all__ = ["Backend", "Scheduler", "backend_for", "backend_named", "names", "resolve_cluster_name", "slurm_backend"]
 
@@ -25,7 +26,15 @@ def _backends() -> dict[str, Backend]:
     from gpujobs.backends.local import LocalBackend
     from gpujobs.backends.slurm import SlurmBackend
 
-    return {backend.name: backend for backend in (LocalBackend(), DebugBackend(), SlurmBackend())}
+    backends: dict[str, Backend] = {b.name: b for b in (LocalBackend(), DebugBackend(), SlurmBackend())}
+    return backends
+
+
+def _register_liveness() -> None:
+    """Tell the run dir's lease how to ask a scheduler whether a job that holds a run dir lives."""
+    for backend in _backends().values():
+        if isinstance(backend, Scheduler):
+            lease.register_job_liveness(backend.name, backend.liveness)
 
 
 def names() -> tuple[str, ...]:
@@ -62,3 +71,6 @@ def resolve_cluster_name(name: str) -> str:
         return name
     has_conf = bool(os.environ.get("SLURM_CONF")) or os.path.exists("/etc/slurm/slurm.conf")
     return "slurm" if shutil.which("sbatch") and has_conf else "local"
+
+
+_register_liveness()

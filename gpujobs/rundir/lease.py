@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib
 import json
 import logging
 import os
 import socket
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -43,10 +43,10 @@ log = logging.getLogger(__name__)
 #: start time from /proc is of whole seconds of boot time, and the wall clock may have been stepped since.
 _CLOCK_SLACK_S = 2.0
 
-#: The backends' registry, imported when a lease names a queued job: whether that job lives is its
-#: scheduler's to say (for Slurm: `squeue`), and the backends, the only place a scheduler's commands
-#: run, are a layer above the run dir.
-_BACKENDS = "gpujobs.backends"
+#: Whether a queued job lives, by the lease holder's word for its scheduler ("slurm"): the scheduler's to
+#: say (for Slurm: `squeue`). The backends, the only place a scheduler's commands run, are a layer above
+#: the run dir: their registry fills this in when it is imported (`register_job_liveness`).
+_JOB_LIVENESS: dict[str, Callable[[str], tuple[bool, str]]] = {}
 #: `Lease.holder` of a launcher process on a host (the lease files' word for it).
 LAUNCHER = "local"
 
@@ -106,12 +106,17 @@ def _parse(path: Path) -> Optional[Lease]:
         return None
 
 
+def register_job_liveness(holder: str, liveness: Callable[[str], tuple[bool, str]]) -> None:
+    """Let `live` ask `liveness(job_id)` about a lease whose holder is `holder` (a scheduler's name)."""
+    _JOB_LIVENESS[holder] = liveness
+
+
 def live(lease: Lease) -> tuple[bool, str]:
     """Whether the lease's holder may still be running, and what says so."""
     if lease.job_id is not None:
-        scheduler = importlib.import_module(_BACKENDS).backend_named(lease.holder)
-        is_live, why = scheduler.liveness(lease.job_id)
-        return bool(is_live), str(why)
+        if lease.holder not in _JOB_LIVENESS:  # a bug, not a user's error: no scheduler was ever imported
+            raise RuntimeError(f"no backend registered to say whether a {lease.holder} job lives")
+        return _JOB_LIVENESS[lease.holder](lease.job_id)
     if lease.host != socket.gethostname():
         return True, f"a process on {lease.host}, which this host cannot check"
     if not alive(lease.pid):
