@@ -8,14 +8,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-echo "== ruff"; ruff check gpujobs jobs hydra_plugins tests bench scripts
+echo "== ruff"; ruff check gpujobs jobs hydra_plugins tests bench scripts docs
 echo "== mypy"; mypy
 echo "== import-linter"; lint-imports --no-cache
 # the docs site, its reference generated from the code (docs/hooks/reference.py): quiet unless it fails. Not
 # --quiet, which silences the warnings that --strict turns into a failure (and then passes).
 echo "== docs"; site="$(mktemp -d)"; out="$(NO_MKDOCS_2_WARNING=1 mkdocs build --strict --site-dir "$site" 2>&1)" || { echo "$out"; exit 1; }; rm -rf "$site"
-# the bench scripts too (not a package): the GPU ones run only where a GPU is lent, a typo costs that time
-mypy bench
+# the bench scripts and the docs hook too (not a package): the GPU ones run only where a GPU is lent, a typo costs that time
+mypy bench docs/hooks
 
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   # Debian's prometheus + promtool for tests/test_prometheus.py (~15 s from the apt cache). Its postinst
