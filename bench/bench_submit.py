@@ -98,10 +98,11 @@ def main() -> None:
             steps = [gpujobs, raw, hydra, hydra_main] + ([before] if args.before else [])
             for step in steps[round_ % len(steps):] + steps[: round_ % len(steps)]:
                 step()
+
     def ratio(base: str, of: str = "gpujobs") -> float:
         return round(statistics.median(a / b for a, b in zip(times[of], times[base], strict=True)), 3)
 
-    before = {} if not args.before else {
+    was = {} if not args.before else {
         "before_submit_s": round(statistics.median(times["before"]), 3),
         "before_ratio_vs_noop_hydra_main": ratio("hydra_main", "before"),
     }
@@ -114,7 +115,7 @@ def main() -> None:
         "ratio_vs_raw": ratio("raw"),
         "ratio_vs_hydra_compose": ratio("hydra"),
         "ratio_vs_noop_hydra_main": ratio("hydra_main"),
-        **before,
+        **was,
     }, indent=2))
 
 
