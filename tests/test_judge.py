@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -30,18 +31,18 @@ def test_the_ladder_first_match_wins() -> None:
     stood = judge(end)
     assert (stood.reason, stood.line, stood.recorded) == ("completed", None, RANK0_LINE)
     assert stood.error == HANG.attempt_fields()["error"]  # rank 0 said no error of its own
-    hung = judge(AttemptEnd(**{**end.__dict__, "recorded": None, "exited_ok": True}))
+    hung = judge(dataclasses.replace(end, recorded=None, exited_ok=True))
     assert hung.reason == "hung" and hung.line is not None
     assert (hung.line["culprit_rank"], hung.line["node"], hung.line["world_size"]) == (1, "n1", 2)
     assert "start" not in hung.line  # where it began comes from the heartbeats, and there were none
-    done = judge(AttemptEnd(**{**end.__dict__, "recorded": None, "hang": None, "exited_ok": True}))
+    done = judge(dataclasses.replace(end, recorded=None, hang=None, exited_ok=True))
     assert (done.reason, done.line) == ("completed", None)  # a trainer's rank 0 wrote its line itself
-    script = judge(AttemptEnd(**{**end.__dict__, "recorded": None, "hang": None, "exited_ok": True, "script": True}))
+    script = judge(dataclasses.replace(end, recorded=None, hang=None, exited_ok=True, script=True))
     assert script.line == {"start": 1.0, "world_size": 2, "script_exit": 0}
-    left = judge(AttemptEnd(**{**end.__dict__, "recorded": None, "hang": None}))
+    left = judge(dataclasses.replace(end, recorded=None, hang=None))
     assert (left.reason, left.error, left.line) == ("failed", "rank 1: boom", {"start": 1.0, "world_size": 2,
                                                                                **LEFT[1]})
-    silent = judge(AttemptEnd(**{**end.__dict__, "recorded": None, "hang": None, "left": None}))
+    silent = judge(dataclasses.replace(end, recorded=None, hang=None, left=None))
     assert (silent.reason, silent.line) == ("failed", {"start": 1.0, "world_size": 2,
                                                         "error": "srun exited with code 1", "node": "n3"})
 

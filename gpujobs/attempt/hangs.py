@@ -2,8 +2,9 @@
 
 Used by both supervisors (the local launcher, the Slurm batch step): they call `HangWatchdog.tick` while
 the attempt runs, and once it returns True (evidence taken, every process of the attempt killed)
-they record the attempt as `hung` with `HangReport.attempt_fields` and restart it within the budget.
-Torch-free.
+their judge (`gpujobs.attempt.judge`) records the attempt as `hung` with `HangReport.attempt_fields`,
+and it restarts within the budget. `HangWatchdog` acts; its `HangDetector` (`gpujobs.attempt.watchdog`)
+only tells whether the attempt is hung, and whom to blame. Torch-free.
 """
 
 from __future__ import annotations

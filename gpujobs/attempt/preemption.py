@@ -221,9 +221,10 @@ def _sigterm_ignored() -> Iterator[None]:
 
     After `scontrol requeue`, Slurm ends this job instance: SIGTERM to every process of its steps at
     once, SIGKILL KillWait seconds later. The batch step's supervisor would die of it at once, and an
-    `scontrol` child of any process too, before the node range is reopened. A SIGTERM that comes
-    meanwhile is dropped: it can only mean "end now", which the caller does right after; SIGKILL still
-    follows. Only the main thread may change a handler: elsewhere nothing changes.
+    `scontrol` child of any process too, before the node range is reopened and the attempt's line is
+    written. A SIGTERM that comes meanwhile is dropped: it can only mean "end now", which the caller
+    does right after; SIGKILL still follows. Only the main thread may change a handler: elsewhere
+    nothing changes.
     """
     if threading.current_thread() is not threading.main_thread():
         yield

@@ -3,7 +3,8 @@
 The sbatch script runs this in the batch step; it runs the job's one `srun` step and stays beside it,
 as the local launcher does for a local job. It records what the ranks could not: an attempt whose rank
 0 died (a SIGKILL, the OOM killer, a segfault), or that ended with no line at all. Such an attempt is
-recorded as `failed`, naming the rank whose error came first where one lived to leave it
+recorded (`gpujobs.attempt.judge`, the local launcher's judge too) as `failed`, naming the rank whose error
+came first where one lived to leave it
 (`gpujobs.attempt.failures`: a script's rank that failed after rank 0 was done), else the ranks that `srun`
 says died; the failure budget decides, as for any attempt, whether the job is requeued. A script job
 whose every rank exited 0 is recorded `completed` here: only the step's end shows that. It also holds
