@@ -1,15 +1,14 @@
 """`python -m gpujobs.attempt.supervise -- srun ... -m gpujobs.rank.srun ARGS`: the batch step beside the ranks.
 
 The sbatch script runs this in the batch step; it runs the job's one `srun` step and stays beside it,
-as the local launcher does for a local job. It records what the ranks could not: an attempt whose rank
-0 died (a SIGKILL, the OOM killer, a segfault), or that ended with no line at all. Such an attempt is
-recorded (`gpujobs.attempt.judge`, the local launcher's judge too) as `failed`, naming the rank whose error
-came first where one lived to leave it
-(`gpujobs.attempt.failures`: a script's rank that failed after rank 0 was done), else the ranks that `srun`
-says died; the failure budget decides, as for any attempt, whether the job is requeued. A script job
-whose every rank exited 0 is recorded `completed` here: only the step's end shows that. It also holds
-the run dir's lease: a duplicate job (a hand-run `sbatch` of a running run dir) stands down before any
-rank starts.
+as the local launcher does for a local job. It records what the ranks could not, judged as the local
+launcher judges it (`gpujobs.attempt.judge`): an attempt whose rank 0 died (a SIGKILL, the OOM
+killer, a segfault), or that ended with no line at all, is recorded as `failed`, naming the rank whose
+error came first where one lived to leave it (`gpujobs.attempt.failures`: a script's rank that failed
+after rank 0 was done), else the ranks that `srun` says died; the failure budget decides, as for any
+attempt, whether the job is requeued. A script job whose every rank exited 0 is recorded `completed`
+here: only the step's end shows that. It also holds the run dir's lease: a duplicate job (a hand-run
+`sbatch` of a running run dir) stands down before any rank starts.
 
 It also runs the hang watchdog (`gpujobs.attempt.hangs`) beside the step: once no rank made progress for
 `trainer.hang_timeout_s`, it takes every rank's stacks (py-spy on this node, SIGUSR1 through
@@ -142,16 +141,17 @@ def supervise(run_dir: Path, job_id: str, command: list[str]) -> int:
     started = time.time()
     code, lines = run_step(command, watchdog)
     withdraw_left_target(train_dir)  # the ranks are gone: a target rank 0 could not withdraw (killed) goes too
-    if len(ledger.read()) > before:
-        return code  # rank 0 recorded the attempt (and requeued the job if it may go again)
+    history = ledger.read()
     what = died(lines)
     end = AttemptEnd(
-        ranks=ranks, started=started, exited_ok=code == 0, hang=watchdog.report if watchdog is not None else None,
+        ranks=ranks, started=started, exited_ok=code == 0, recorded=history[-1] if len(history) > before else None,
+        hang=watchdog.report if watchdog is not None else None,
         # a rank that lived to say why it failed or stopped (after rank 0 was done, or died)
         left=failures.left_outcome(train_dir, ranks, instance()) if code != 0 else None,
         error=f"the ranks recorded nothing: {'; '.join(what) if what else f'srun exited with code {code}'}",
         node=crashed_node(lines), script=job.script is not None,
     )
+    # where rank 0 recorded the attempt (and requeued the job if it may go again), its line stands
     record_verdict(ledger, job, judge(end), recorded_by="supervisor")
     return code
 
