@@ -14,7 +14,8 @@ from pathlib import Path
 from conftest import SLOW, read_result, submit
 from jobctl import RunningJob, attempts
 
-from gpujobs.attempt.preemption import PreemptionWatcher, catch_early
+from gpujobs.attempt.preemption import catch_early
+from gpujobs.rank.stop import PreemptionWatcher
 
 
 def test_usr2_to_one_rank_stops_all_at_the_same_step_and_loses_nothing(tmp_path: Path, straight_digest: str) -> None:

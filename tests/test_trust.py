@@ -18,11 +18,11 @@ from conftest import REPO, compose_job, missing, submit
 
 from gpujobs.attempt import failures
 from gpujobs.attempt.failures import RankFailure
-from gpujobs.attempt.hangs import Watchdog
+from gpujobs.attempt.file_sd import FileSdTarget, withdraw_left_target
+from gpujobs.attempt.hangs import HangWatchdog
 from gpujobs.attempt.watchdog import Hang
 from gpujobs.base.errors import ConfigError
 from gpujobs.config.nccl import NcclSettings
-from gpujobs.rank.observe.prometheus import FileSdTarget, withdraw_left_target
 from gpujobs.rank.srun import parse_args, run_dir_of
 from gpujobs.rundir import PROMETHEUS_FILE
 from gpujobs.rundir.heartbeat import Heartbeat
@@ -178,7 +178,7 @@ def test_hang_evidence_goes_through_no_planted_link(planted: Path, victims: Path
     (planted / "hangs").symlink_to(victims / "dir")
     killed = []
     job = compose_job("+experiment=rec", "+debug=tiny", "cluster=local")
-    watchdog = Watchdog(planted, job, 1, "local:1", 1, kill=lambda: killed.append(True))
+    watchdog = HangWatchdog(planted, job, 1, "local:1", 1, kill=lambda: killed.append(True))
     watchdog.handle(Hang(stalled_s=1.0, limit_s=1.0, culprit=0, node=None, why="stopped"))
     assert killed == [True]  # the hung ranks die all the same
     assert list((victims / "dir").iterdir()) == []

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gpujobs.attempt.watchdog import Hang, HangWatch, blame_by_stacks, in_collective
+from gpujobs.attempt.watchdog import Hang, HangDetector, blame_by_stacks, in_collective
 from gpujobs.rundir.heartbeat import Heartbeat, heartbeat_path, instance, read_heartbeat
 
 TIMEOUT_S, SLOW_S = 10.0, 60.0
@@ -51,11 +51,11 @@ def ranks(tmp_path: Path):  # type: ignore[no-untyped-def]
     made.close()
 
 
-def watch(run_dir: Path, clock: Clock, world: int = 2) -> HangWatch:
-    return HangWatch(run_dir, world, instance(), TIMEOUT_S, SLOW_S, clock=clock)
+def watch(run_dir: Path, clock: Clock, world: int = 2) -> HangDetector:
+    return HangDetector(run_dir, world, instance(), TIMEOUT_S, SLOW_S, clock=clock)
 
 
-def advance(watcher: HangWatch, clock: Clock, ranks: Ranks, seconds: float, *beating: int) -> Hang | None:
+def advance(watcher: HangDetector, clock: Clock, ranks: Ranks, seconds: float, *beating: int) -> Hang | None:
     """Move the clock in 1 s ticks, the `beating` ranks' threads writing at each; the last poll's hang."""
     hang = None
     for _ in range(int(seconds)):
@@ -119,7 +119,7 @@ def test_a_rank_that_never_reports_is_blamed_after_the_start_up_limit(tmp_path: 
 
 def test_files_of_an_earlier_attempt_are_not_this_attempts(tmp_path: Path, ranks: Ranks) -> None:
     clock = Clock()
-    watcher = HangWatch(tmp_path, 2, "slurm:999:0", TIMEOUT_S, SLOW_S, clock=clock)
+    watcher = HangDetector(tmp_path, 2, "slurm:999:0", TIMEOUT_S, SLOW_S, clock=clock)
     assert advance(watcher, clock, ranks, SLOW_S * 2, 0, 1) is None  # nothing of instance slurm:999:0
     assert watcher.ranks == {}
 

@@ -1,9 +1,10 @@
 """What the supervisor does about a hang: notice it, keep the evidence, then kill the whole attempt.
 
-Used by both supervisors (the local launcher, the Slurm batch step): they call `Watchdog.tick` while
+Used by both supervisors (the local launcher, the Slurm batch step): they call `HangWatchdog.tick` while
 the attempt runs, and once it returns True (evidence taken, every process of the attempt killed)
-they record the attempt as `hung` with `HangReport.attempt_fields` and restart it within the budget.
-Torch-free.
+their judge (`gpujobs.attempt.judge`) records the attempt as `hung` with `HangReport.attempt_fields`,
+and it restarts within the budget. `HangWatchdog` acts; its `HangDetector` (`gpujobs.attempt.watchdog`)
+only tells whether the attempt is hung, and whom to blame. Torch-free.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from gpujobs.attempt import evidence
-from gpujobs.attempt.watchdog import Hang, HangWatch, blame_by_stacks
+from gpujobs.attempt.watchdog import Hang, HangDetector, blame_by_stacks
 from gpujobs.config.load import JobConfig
 from gpujobs.rundir.heartbeat import interval_for, remove_dead_pipe_dirs
 from gpujobs.rundir.trust import own_dir, write_own
@@ -58,8 +59,10 @@ class HangReport:
         }
 
 
-class Watchdog:
+class HangWatchdog:
     """One attempt's hang watchdog: `tick` often; `report` says what happened once it fired.
+
+    It asks its `HangDetector` whether the attempt is hung; once it is, it keeps the evidence and kills.
 
     `kill` ends every process of the attempt; `signal_remote` (Slurm) sends SIGUSR1 to the ranks on
     other machines, whose stacks their faulthandler then writes.
@@ -72,7 +75,7 @@ class Watchdog:
         cfg = job.trainer
         self.run_dir = Path(run_dir)
         self.attempt = attempt
-        self.watch = HangWatch(run_dir, world_size, instance, cfg.hang_timeout_s, cfg.hang_slow_phase_s)
+        self.detector = HangDetector(run_dir, world_size, instance, cfg.hang_timeout_s, cfg.hang_slow_phase_s)
         self.kill = kill
         self.signal_remote = signal_remote
         self.beat_interval_s = interval_for(cfg.hang_timeout_s)
@@ -81,7 +84,7 @@ class Watchdog:
 
     @classmethod
     def for_job(cls, run_dir: Path, job: JobConfig, world_size: int, instance: str, attempt: int,
-                kill: Callable[[], None], signal_remote: Optional[Callable[[], None]] = None) -> Optional[Watchdog]:
+                kill: Callable[[], None], signal_remote: Optional[Callable[[], None]] = None) -> Optional[HangWatchdog]:
         """The watchdog of the attempt, or None when `trainer.hang_timeout_s` is 0."""
         if not job.trainer.hang_timeout_s:
             return None
@@ -95,7 +98,7 @@ class Watchdog:
         if now < self._next:
             return False
         self._next = now + _TICK_S
-        hang = self.watch.poll()
+        hang = self.detector.poll()
         if hang is None:
             return False
         self.report = self.handle(hang)

@@ -19,14 +19,15 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from gpujobs.attempt import failures
 from gpujobs.attempt.evidence import descendants, kill_tree, process_start
-from gpujobs.attempt.hangs import HangReport, Watchdog
+from gpujobs.attempt.file_sd import withdraw_left_target
+from gpujobs.attempt.hangs import HangReport, HangWatchdog
+from gpujobs.attempt.judge import AttemptEnd, Verdict, judge, record_or_say, record_verdict
+from gpujobs.attempt.program import FROM_RUN_DIR, RankProgram
 from gpujobs.backends.follow import JobFollower
 from gpujobs.backends.jobenv import free_port
 from gpujobs.config.load import JobConfig
 from gpujobs.config.nccl import GLOO_ON_CUDA_ENV
-from gpujobs.rank.main import FromRunDir
-from gpujobs.rank.script import record_completed
-from gpujobs.rundir.attempts import AttemptLog, Decision, RequeuePolicy
+from gpujobs.rundir.attempts import AttemptLog
 from gpujobs.rundir.records import read_result
 
 if TYPE_CHECKING:
@@ -64,7 +65,8 @@ def run_local(job: JobConfig, run_dir: Path) -> int:
                 before, started, sjob = len(attempts.read()), time.time(), None
                 signals.stop_asked = False  # a USR2 between attempts asked nothing of the next one
                 try:
-                    sjob = executor.submit(FromRunDir(str(run_dir), master_port=free_port(), launcher=launcher))
+                    rank = {"run_dir": str(run_dir), "master_port": free_port(), "launcher": launcher}
+                    sjob = executor.submit(RankProgram(FROM_RUN_DIR, rank))
                 except OSError as err:  # submitit writes the attempt's files into the run dir first (a full disk)
                     print(f"gpujobs: attempt {before + 1} could not be started in {executor.folder}: "
                           f"{err.strerror or err}", file=sys.stderr, flush=True)
@@ -96,8 +98,8 @@ def _follow_attempt(job: JobConfig, run_dir: Path, executor: Any, gpus: list[Gpu
         f"run dir {run_dir}",
         flush=True,
     )
-    watchdog = Watchdog.for_job(run_dir, job, res.ranks_per_node, f"local:{sjob.job_id}", before + 1,
-                                kill=functools.partial(_kill_local_job, sjob))
+    watchdog = HangWatchdog.for_job(run_dir, job, res.ranks_per_node, f"local:{sjob.job_id}", before + 1,
+                                    kill=functools.partial(_kill_local_job, sjob))
 
     def tick() -> None:
         signals.forward_stop(int(sjob.job_id), res.ranks_per_node)
@@ -107,28 +109,48 @@ def _follow_attempt(job: JobConfig, run_dir: Path, executor: Any, gpus: list[Gpu
     try:
         error = follower.follow(sjob, tick=tick)
     finally:  # the ranks are gone: a target rank 0 could not withdraw (killed) goes with them
-        from gpujobs.rank.observe.prometheus import withdraw_left_target
-
         withdraw_left_target(run_dir)
-    if error is None:
-        if job.script is not None and len(attempts.read()) == before:  # its ranks left the line to us
-            record_completed(run_dir, job, res.ranks_per_node, started, time.time() - started,
-                             recorded_by="launcher")
+    hang = watchdog.report if watchdog is not None else None
+    verdict = judge(_attempt_end(job, attempts, before, started, error, hang, f"local:{sjob.job_id}"))
+    decision = record_verdict(attempts, job, verdict, recorded_by="launcher")
+    if hang is not None:
+        _say_hang(verdict, hang)
+    # a hang of only its end (rank 0 recorded it completed, and its result) leaves the run done
+    if error is None or (hang is not None and verdict.reason == "completed" and read_result(run_dir) is not None):
         follower.print_result()
         return 0
-    if watchdog is not None and watchdog.report is not None:
-        reason, decision, error = _record_hang(job, attempts, before, watchdog.report)
-        if reason == "completed" and read_result(run_dir) is not None:  # only its end hung: the run is done
-            follower.print_result()
-            return 0
-    else:
-        reason, decision, error = _judge_attempt(job, attempts, before, error, f"local:{sjob.job_id}", started)
     if not decision.requeue:
-        print(f"gpujobs: job ended: {reason}, {decision.why}; last error: {error}")
+        print(f"gpujobs: job ended: {verdict.reason}, {decision.why}; last error: {verdict.error}")
         print(f"gpujobs: per-rank logs in {executor.folder}")
         return 1
-    print(f"gpujobs: attempt {before + 1} {reason} ({decision.why}); restarting from the last checkpoint")
+    print(f"gpujobs: attempt {before + 1} {verdict.reason} ({decision.why}); restarting from the last checkpoint")
     return None
+
+
+def _attempt_end(job: JobConfig, attempts: AttemptLog, before: int, started: float, error: Optional[str],
+                 hang: Optional[HangReport], attempt: str) -> AttemptEnd:
+    """What the launcher knows of local attempt `attempt` once its ranks are gone (submitit's `error`:
+    None when every rank exited 0); for the judge."""
+    ranks = job.resources.ranks_per_node  # a local job's ranks: one node's
+    history = attempts.read()
+    failed = error is not None
+    return AttemptEnd(
+        ranks=ranks, started=started, exited_ok=not failed, recorded=history[-1] if len(history) > before else None,
+        hang=hang, left=failures.left_outcome(attempts.run_dir, ranks, attempt) if failed else None,
+        # submitit's last line may only name a log file: say which ranks left no word of their end
+        error=(failures.silent(attempts.run_dir, ranks, attempt, error) or error) if error is not None else "",
+        script=job.script is not None,
+    )
+
+
+def _say_hang(verdict: Verdict, hang: HangReport) -> None:
+    """The watchdog killed the attempt: say so, and where its evidence is."""
+    error = hang.attempt_fields()["error"]
+    if verdict.recorded is not None:  # rank 0 recorded the attempt before the rest was killed: its line stands
+        print(f"gpujobs: {error}; killed after rank 0 recorded the attempt ({verdict.reason}); stacks in "
+              f"{hang.evidence_dir}", flush=True)
+    else:
+        print(f"gpujobs: {error}; stacks in {hang.evidence_dir}", flush=True)
 
 
 class Interrupted(KeyboardInterrupt):
@@ -213,9 +235,8 @@ def _record_interrupt(job: JobConfig, attempts: AttemptLog, before: int, sjob: A
     _kill_local_job(sjob)
     name = signal.Signals(signum).name
     if len(attempts.read()) == before:
-        attempts.record_or_say(job.cluster, "cancelled", recorded_by="launcher", start=round(started, 3),
-                               world_size=job.resources.ranks_per_node, error=f"the launcher got {name}",
-                               **job.resources.held_per_rank)
+        record_or_say(attempts, job, "cancelled", recorded_by="launcher", start=round(started, 3),
+                      world_size=job.resources.ranks_per_node, error=f"the launcher got {name}")
     print(f"\ngpujobs: interrupted ({name}): local job {sjob.job_id} killed; its checkpoints stay in "
           f"{attempts.run_dir}, "
           "and the same command resumes from the last one", flush=True)
@@ -228,41 +249,3 @@ def _kill_local_job(sjob: Any) -> None:
     left = kill_tree([*descendants(controller), controller])
     if left:
         print(f"gpujobs: processes {left} of local job {sjob.job_id} outlived SIGKILL", flush=True)
-
-
-def _record_hang(job: JobConfig, attempts: AttemptLog, before: int, report: HangReport) -> tuple[str, Decision, str]:
-    """The watchdog killed the attempt: the launcher records it as `hung` (nobody else could)."""
-    fields = report.attempt_fields()
-    if len(attempts.read()) > before:  # rank 0 recorded the attempt before the rest was killed: keep its line
-        last = attempts.read()[-1]
-        print(f"gpujobs: {fields['error']}; killed after rank 0 recorded the attempt ({last.reason}); stacks in "
-              f"{report.evidence_dir}", flush=True)
-        return last.reason, Decision(last.requeue, last.why), last.error or fields["error"]
-    recorded = attempts.record_or_say(job.cluster, "hung", recorded_by="launcher",
-                                      world_size=job.resources.ranks_per_node, **job.resources.held_per_rank, **fields)
-    print(f"gpujobs: {fields['error']}; stacks in {report.evidence_dir}", flush=True)
-    return "hung", Decision(recorded.requeue, recorded.why), fields["error"]
-
-
-def _judge_attempt(job: JobConfig, attempts: AttemptLog, before: int, error: str,
-                   attempt: str, started: float) -> tuple[str, Decision, str]:
-    """Rank 0 records each attempt it survives; if it died first, or was done before another rank
-    failed or was told to stop (a script's), the launcher records it: from what the ranks of `attempt`
-    left (`gpujobs.attempt.failures`), else as failed with submitit's error.
-
-    Returns the attempt's reason, the decision, and its error: rank 0's own words where it recorded
-    them (submitit's last line may only name a log file).
-    """
-    history = attempts.read()
-    if len(history) > before:
-        last = history[-1]
-        if attempts.unrecorded and last.requeue:  # rank 0 could not count the lines the disk did not take
-            decision = RequeuePolicy.of(job.cluster).decide(history[:-1], last.reason)
-            return last.reason, decision, last.error or error
-        return last.reason, Decision(last.requeue, last.why), last.error or error
-    ranks = job.resources.ranks_per_node  # a local job's ranks: one node's
-    reason, fields = failures.left_outcome(attempts.run_dir, ranks, attempt) or (
-        "failed", {"error": failures.silent(attempts.run_dir, ranks, attempt, error) or error})
-    recorded = attempts.record_or_say(job.cluster, reason, recorded_by="launcher", world_size=ranks,
-                                      start=round(started, 3), **job.resources.held_per_rank, **fields)
-    return reason, Decision(recorded.requeue, recorded.why), fields.get("error", error)

@@ -1,19 +1,19 @@
-"""USR2 → a flag → an agreed stop at a step boundary, then requeue within the budgets.
+"""USR2 → a flag → an agreed stop at a step boundary, then requeue within the budgets (torch-free).
 
 Slurm sends USR2 `signal_lead_s` seconds before the time limit (`--signal`) and at once when a
-preempting job arrives (`preempt_send_user_signal`). The handler only sets a flag: no I/O, no
-collectives, nothing that could deadlock or tear a file. At each step boundary the ranks agree with a
-one-element all-reduce (MAX), so they all stop after the same step, save one complete checkpoint
-together and exit; rank 0 records the attempt and requeues the job. No step is lost or redone.
+preempting job arrives (`preempt_send_user_signal`). The handler (`StopFlag`) only sets a flag: no I/O,
+no collectives, nothing that could deadlock or tear a file. At each step boundary the ranks agree on it
+(`gpujobs.rank.stop`: a one-element all-reduce), so they all stop after the same step, save one
+complete checkpoint together and exit; rank 0 records the attempt and requeues the job
+(`record_attempt`). No step is lost or redone.
 
 Data never comes from loader worker processes here (batches are built in the rank's own process), so
 no worker can die first or swallow the signal.
 
 A USR2 can also come while a rank is still starting (a preempting job arrives just then). The Slurm
-entry calls `catch_early` before anything slow, and the watcher adopts what it caught: until then the
+entry calls `catch_early` before anything slow, and the flag adopts what it caught: until then the
 signal would go to submitit's handler, which requeues the job outside the attempt budgets, or, with no
-handler at all, kill the process. This module imports torch only when the ranks agree, so it is cheap
-to import that early.
+handler at all, kill the process. This module is cheap to import that early.
 """
 
 from __future__ import annotations
@@ -22,20 +22,20 @@ import contextlib
 import logging
 import os
 import signal
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
-from typing import Any, Optional
+from typing import Any, Optional, TypeVar
 
 from gpujobs.backends import backend_for
 from gpujobs.backends.jobenv import allocated_world_size
-from gpujobs.backends.slurm import quarantine
+from gpujobs.backends.slurm import control, quarantine
+from gpujobs.backends.slurm.commands import SlurmCommandError
 from gpujobs.base.errors import GpujobsError
 from gpujobs.config.load import JobConfig, ResourcesConfig
-from gpujobs.rundir.attempts import AttemptLog, RequeuePolicy
+from gpujobs.rundir.attempts import AttemptLog, Decision
 from gpujobs.rundir.records import NODE_FAULTS, Attempt
 
 log = logging.getLogger(__name__)
@@ -44,16 +44,16 @@ log = logging.getLogger(__name__)
 EXIT_REQUEUED = 75
 # A USR2 this close to the time limit (beyond the signal lead) means the time limit, not preemption.
 _TIMEOUT_SLACK_S = 60
-# scontrol requeue: tries, 1 + 2 + 4 + 8 s apart
-_REQUEUE_TRIES = 5
 
 
-# signal number → when it first came, for signals caught before any watcher was installed
+# signal number → when it first came, for signals caught before any flag was installed
 _EARLY: dict[int, float] = {}
+
+_Flag = TypeVar("_Flag", bound="StopFlag")
 
 
 def catch_early(signum: int = signal.SIGUSR2) -> None:
-    """First thing in a rank's process: remember a `signum` that comes before the watcher is installed."""
+    """First thing in a rank's process: remember a `signum` that comes before the flag is installed."""
     signal.signal(signum, _remember_early)
 
 
@@ -61,8 +61,8 @@ def _remember_early(signum: int, frame: Optional[FrameType]) -> None:
     _EARLY.setdefault(signum, time.time())
 
 
-class PreemptionWatcher:
-    """Turns USR2 into a flag that every rank agrees on at step boundaries."""
+class StopFlag:
+    """USR2 (`signum`) turned into a flag, and when it first came: what a rank's handler may do."""
 
     def __init__(self, signum: int = signal.SIGUSR2) -> None:
         self.signum = signum
@@ -70,7 +70,7 @@ class PreemptionWatcher:
         self.flagged_at: Optional[float] = None
         self._previous: Any = None
 
-    def install(self) -> PreemptionWatcher:
+    def install(self: _Flag) -> _Flag:
         """Replace the signal's handler (submitit's own, in a submitit job) with ours."""
         self._previous = signal.signal(self.signum, self._handle)
         early = _EARLY.pop(self.signum, None)
@@ -89,12 +89,6 @@ class PreemptionWatcher:
         if self.flagged_at is None:
             self.flagged_at = time.time()
 
-    def should_stop(self) -> bool:
-        """True on every rank once any rank got the signal (a collective: call it on all ranks)."""
-        from gpujobs.rank import collectives  # imports torch: only once the ranks agree
-
-        return collectives.any_true(self.flagged)
-
 
 def classify_stop(job: JobConfig, attempt_started: float, signalled_at: Optional[float]) -> str:
     """`timeout` when the signal came near the time limit, else `preempted`."""
@@ -103,13 +97,16 @@ def classify_stop(job: JobConfig, attempt_started: float, signalled_at: Optional
     return "timeout" if at - attempt_started >= limit_s - job.cluster.signal_lead_s - _TIMEOUT_SLACK_S else "preempted"
 
 
-def record_attempt(run_dir: str, job: JobConfig, reason: str, **fields: Any) -> Attempt:
-    """Rank 0 (or the supervisor): decide whether to go again, write the attempt's line (`fields`: the
-    other `Attempt` fields), and requeue on Slurm if so; returns the attempt as recorded.
+def record_attempt(run_dir: str, job: JobConfig, reason: str, *, ledger: Optional[AttemptLog] = None,
+                   **fields: Any) -> Attempt:
+    """Rank 0 (or a supervisor): decide whether to go again, requeue on Slurm if so, then write the
+    attempt's line (`fields`: the other `Attempt` fields) once, complete; returns the attempt as recorded.
 
-    The line is written before `scontrol requeue`, which ends this job instance; a requeue that still
-    fails after its retries amends that same line, so each attempt keeps exactly one. A caller that
-    does not say the attempt's world size gets the one its environment gives (on Slurm: the allocation's).
+    `scontrol requeue` ends this job instance (SIGTERM to its every process, SIGKILL KillWait later):
+    SIGTERM is ignored from the requeue until the line is written, so that the line says what came of it
+    (a requeue that failed after its retries, a node that could not be excluded) and is never amended.
+    A caller that does not say the attempt's world size gets the one its environment gives (on Slurm:
+    the allocation's). A supervisor passes its own `ledger`, which remembers the lines a full disk refused.
 
     An attempt that blames a node (a reason in `NODE_FAULTS`, with `node`) and goes again on Slurm
     excludes that node from the requeued job (`quarantine`), recorded as `excluded` (the whole list); when
@@ -122,52 +119,60 @@ def record_attempt(run_dir: str, job: JobConfig, reason: str, **fields: Any) -> 
     fields.setdefault("world_size", allocated_world_size())
     for key, value in job.resources.held_per_rank.items():
         fields.setdefault(key, value)
-    ledger = AttemptLog(Path(run_dir))
+    ledger = ledger if ledger is not None else AttemptLog(Path(run_dir))
+    decision = ledger.decide(job.cluster, reason)
     slurm_job = job_id if backend_for(job).queues else None  # local runs record the node, exclude nothing
-    exclusion: Optional[quarantine.Exclusion] = None
-    notes: list[str] = []  # said in the line's why once the requeue is done
+    if slurm_job is None or not decision.requeue:
+        return _write(ledger, reason, decision, job_id=job_id, **fields)
+    with _sigterm_ignored():  # the requeue ends this instance: what follows it, the line too, must not die of that
+        decision, changes = _requeue(ledger, job, slurm_job, reason, decision, fields)
+        return _write(ledger, reason, decision, job_id=job_id, **{**fields, **changes})
+
+
+def _write(ledger: AttemptLog, reason: str, decision: Decision, **fields: Any) -> Attempt:
+    """Write the attempt's one line, and say in the log how it ended."""
+    attempt = ledger.write(reason, decision, **fields)
+    log.warning("attempt %d ended: %s; %s", attempt.attempt, reason, attempt.why)
+    return attempt
+
+
+def _requeue(ledger: AttemptLog, job: JobConfig, job_id: str, reason: str, decision: Decision,
+             fields: dict[str, Any]) -> tuple[Decision, dict[str, Any]]:
+    """Requeue Slurm job `job_id`, whose attempt just ended with `reason` and may go again (`decision`),
+    without the node it blames where it should; returns the decision as it turned out, and the changes
+    to the line's `fields` (`excluded`)."""
     node = fields.get("node")
-    goes_again = RequeuePolicy.of(job.cluster).decide(ledger.read(), reason).requeue
     # a rank that left its own error (`culprit_rank`) lived to report it: a bug, not a crash of the node
     crash = reason == "failed" and fields.get("recorded_by") == "supervisor" and fields.get("culprit_rank") is None
-    if slurm_job is not None and (reason in NODE_FAULTS or crash) and node and goes_again:
-        exclusion, problem = _plan_exclusion(ledger, job, slurm_job, reason, str(node))
-        if problem is not None:
-            notes.append(problem)
+    exclusion: Optional[quarantine.Exclusion] = None
+    notes: list[str] = []  # said in the line's why once the requeue is done
+    changes: dict[str, Any] = {}
+    if (reason in NODE_FAULTS or crash) and node:
+        exclusion, problem = _plan_exclusion(ledger, job, job_id, reason, str(node))
+        notes += [problem] if problem is not None else []
         if crash and exclusion is not None and exclusion.refused is not None:
             notes.append(f"{node} kept after the crash: {exclusion.refused.partition(': ')[2]}")
             exclusion = None
-        if exclusion is not None and exclusion.refused is None:
-            fields.setdefault("excluded", exclusion.excluded)
-    attempt = ledger.record(job.cluster, reason, job_id=job_id, **fields)
-    log.warning("attempt %d ended: %s; %s", attempt.attempt, reason, attempt.why)
-    if attempt.requeue and exclusion is not None and exclusion.refused is not None:
-        attempt = ledger.amend_last(requeue=False, why=f"not requeued: {exclusion.refused}")
-        log.error("attempt %d: %s", attempt.attempt, attempt.why)
-        return attempt
-    if attempt.requeue and slurm_job is not None:
-        changes: dict[str, Any] = {}
-        with _sigterm_ignored():  # the requeue ends this instance: what follows it must not die of that
-            error = requeue(slurm_job)
-            if error is None and exclusion is not None:  # only now: Slurm refuses it while the job runs
-                failed = quarantine.exclude(slurm_job, exclusion.excluded)
-                if failed is not None:
-                    notes.append(f"{node} could not be excluded ({failed}): the job may run there again")
-                    changes["excluded"] = [n for n in exclusion.excluded if n != node]
-            reopened = reopen_node_range(slurm_job, job.resources) if error is None else None
-        if error is None:
-            log.warning("requeued Slurm job %s%s", slurm_job,
-                        f" without {', '.join(attempt.excluded)}" if attempt.excluded and not changes else "")
-            if reopened is not None:  # it runs again, but only once all MAX nodes are free: say so
-                notes.append(reopened)
-            if notes or changes:
-                attempt = ledger.amend_last(why="; ".join([attempt.why, *notes]), **changes)
-                log.error("attempt %d: %s", attempt.attempt, attempt.why)
-        else:
-            attempt = ledger.amend_last(requeue=False, excluded=[],
-                                        why=f"{attempt.why}, but the requeue failed: {error}")
-            log.error("attempt %d: %s", attempt.attempt, attempt.why)
-    return attempt
+        if exclusion is not None and exclusion.refused is not None:
+            log.error("not requeued: %s", exclusion.refused)
+            return Decision(False, f"not requeued: {exclusion.refused}"), changes
+        if exclusion is not None and "excluded" not in fields:
+            changes["excluded"] = exclusion.excluded
+    try:
+        control.requeue(job_id)
+    except SlurmCommandError as err:
+        log.error("Slurm job %s is not requeued: %s", job_id, err)
+        return Decision(False, f"{decision.why}, but the requeue failed: {err}"), {"excluded": []}
+    if exclusion is not None:  # only now: Slurm refuses it while the job runs
+        failed = quarantine.exclude(job_id, exclusion.excluded)
+        if failed is not None:
+            notes.append(f"{node} could not be excluded ({failed}): the job may run there again")
+            changes["excluded"] = [n for n in exclusion.excluded if n != node]
+    excluded = changes.get("excluded", fields.get("excluded"))
+    log.warning("requeued Slurm job %s%s", job_id, f" without {', '.join(excluded)}" if excluded else "")
+    reopened = reopen_node_range(job_id, job.resources)
+    notes += [reopened] if reopened is not None else []  # it runs again, but only once all MAX nodes are free
+    return Decision(True, "; ".join([decision.why, *notes])), changes
 
 
 def _plan_exclusion(
@@ -203,16 +208,11 @@ def reopen_node_range(job_id: str, resources: ResourcesConfig) -> Optional[str]:
     if resources.least_nodes >= resources.nodes:
         return None
     least = resources.least_nodes
-    cmd = ["scontrol", "update", f"JobId={job_id}", f"NumNodes={least}-{resources.nodes}"]
-    if resources.ranks_per_node > 1:
-        cmd.append(f"NumTasks={least * resources.ranks_per_node}")
+    tasks = least * resources.ranks_per_node if resources.ranks_per_node > 1 else None
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=False)
-    except (OSError, subprocess.TimeoutExpired) as err:
+        control.set_node_range(job_id, least, resources.nodes, tasks)
+    except SlurmCommandError as err:
         return f"the node range could not be reopened ({err}): it waits for {resources.nodes} nodes"
-    if proc.returncode != 0:
-        why = (proc.stderr or proc.stdout).strip() or f"exit code {proc.returncode}"
-        return f"the node range could not be reopened ({why}): it waits for {resources.nodes} nodes"
     log.warning("requeued Slurm job %s may start on %d to %d nodes", job_id, least, resources.nodes)
     return None
 
@@ -223,9 +223,10 @@ def _sigterm_ignored() -> Iterator[None]:
 
     After `scontrol requeue`, Slurm ends this job instance: SIGTERM to every process of its steps at
     once, SIGKILL KillWait seconds later. The batch step's supervisor would die of it at once, and an
-    `scontrol` child of any process too, before the node range is reopened. A SIGTERM that comes
-    meanwhile is dropped: it can only mean "end now", which the caller does right after; SIGKILL still
-    follows. Only the main thread may change a handler: elsewhere nothing changes.
+    `scontrol` child of any process too, before the node range is reopened and the attempt's line is
+    written. A SIGTERM that comes meanwhile is dropped: it can only mean "end now", which the caller
+    does right after; SIGKILL still follows. Only the main thread may change a handler: elsewhere
+    nothing changes.
     """
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -235,27 +236,6 @@ def _sigterm_ignored() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
-
-
-def requeue(job_id: str, tries: int = _REQUEUE_TRIES) -> Optional[str]:
-    """`scontrol requeue job_id`, retried with backoff (a busy controller refuses now and then);
-    None once it worked, else the last error."""
-    error = ""
-    for attempt in range(tries):
-        if attempt:
-            time.sleep(2 ** (attempt - 1))
-        try:
-            proc = subprocess.run(
-                ["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60, check=False
-            )
-        except (OSError, subprocess.TimeoutExpired) as err:
-            error = str(err)
-            continue
-        if proc.returncode == 0:
-            return None
-        error = (proc.stderr or proc.stdout).strip() or f"exit code {proc.returncode}"
-        log.warning("scontrol requeue %s failed (try %d of %d): %s", job_id, attempt + 1, tries, error)
-    return f"scontrol requeue failed {tries} times: {error}"
 
 
 def slurm_job_id() -> Optional[str]:

@@ -1,14 +1,14 @@
 """`python -m gpujobs.attempt.supervise -- srun ... -m gpujobs.rank.srun ARGS`: the batch step beside the ranks.
 
 The sbatch script runs this in the batch step; it runs the job's one `srun` step and stays beside it,
-as the local launcher does for a local job. It records what the ranks could not: an attempt whose rank
-0 died (a SIGKILL, the OOM killer, a segfault), or that ended with no line at all. Such an attempt is
-recorded as `failed`, naming the rank whose error came first where one lived to leave it
-(`gpujobs.attempt.failures`: a script's rank that failed after rank 0 was done), else the ranks that `srun`
-says died; the failure budget decides, as for any attempt, whether the job is requeued. A script job
-whose every rank exited 0 is recorded `completed` here: only the step's end shows that. It also holds
-the run dir's lease: a duplicate job (a hand-run `sbatch` of a running run dir) stands down before any
-rank starts.
+as the local launcher does for a local job. It records what the ranks could not, judged as the local
+launcher judges it (`gpujobs.attempt.judge`): an attempt whose rank 0 died (a SIGKILL, the OOM
+killer, a segfault), or that ended with no line at all, is recorded as `failed`, naming the rank whose
+error came first where one lived to leave it (`gpujobs.attempt.failures`: a script's rank that failed
+after rank 0 was done), else the ranks that `srun` says died; the failure budget decides, as for any
+attempt, whether the job is requeued. A script job whose every rank exited 0 is recorded `completed`
+here: only the step's end shows that. It also holds the run dir's lease: a duplicate job (a hand-run
+`sbatch` of a running run dir) stands down before any rank starts.
 
 It also runs the hang watchdog (`gpujobs.attempt.hangs`) beside the step: once no rank made progress for
 `trainer.hang_timeout_s`, it takes every rank's stacks (py-spy on this node, SIGUSR1 through
@@ -33,14 +33,15 @@ from types import FrameType
 from typing import Optional
 
 from gpujobs.attempt import failures
-from gpujobs.attempt.hangs import Watchdog
-from gpujobs.attempt.preemption import record_attempt, slurm_job_id
+from gpujobs.attempt import slurm_task as task
+from gpujobs.attempt.file_sd import withdraw_left_target
+from gpujobs.attempt.hangs import HangWatchdog
+from gpujobs.attempt.judge import AttemptEnd, judge, record_verdict
+from gpujobs.attempt.preemption import slurm_job_id
 from gpujobs.backends.jobenv import allocated_world_size
-from gpujobs.config.load import JobConfig
-from gpujobs.rank import srun as start
-from gpujobs.rank.observe.prometheus import withdraw_left_target
-from gpujobs.rank.script import record_completed
-from gpujobs.rundir.attempts import AttemptLog, AttemptNotRecorded, say_unrecorded
+from gpujobs.backends.slurm import control
+from gpujobs.backends.slurm.commands import SlurmCommandError
+from gpujobs.rundir.attempts import AttemptLog
 from gpujobs.rundir.files import read_config
 from gpujobs.rundir.heartbeat import STACKS_SIGNAL, instance
 
@@ -71,7 +72,7 @@ def crashed_node(srun_lines: list[str]) -> Optional[str]:
     return None
 
 
-def run_step(command: list[str], watchdog: Optional[Watchdog] = None) -> tuple[int, list[str]]:
+def run_step(command: list[str], watchdog: Optional[HangWatchdog] = None) -> tuple[int, list[str]]:
     """Run the srun step, passing its stderr through, with `watchdog` ticking beside it; returns the
     step's exit code and its stderr lines."""
     proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, errors="replace")
@@ -86,7 +87,7 @@ def run_step(command: list[str], watchdog: Optional[Watchdog] = None) -> tuple[i
     return proc.wait(), lines
 
 
-def _watch(proc: subprocess.Popen[str], watchdog: Watchdog) -> None:
+def _watch(proc: subprocess.Popen[str], watchdog: HangWatchdog) -> None:
     """Tick the watchdog until the step ends or the watchdog killed it."""
     while proc.poll() is None:
         try:
@@ -98,32 +99,30 @@ def _watch(proc: subprocess.Popen[str], watchdog: Watchdog) -> None:
         time.sleep(_WATCH_S)
 
 
-def _scancel(*args: str) -> Optional[str]:
-    """`scancel ARGS JOB.STEP` for every job step of this job (not the batch step: that is us); None once
+def _signal_steps(signal_name: str) -> Optional[str]:
+    """Send `signal_name` to every job step of this job (not the batch step: that is us); None once
     done, else what went wrong."""
     job = os.environ.get("SLURM_JOB_ID", "")
     try:
-        listed = subprocess.run(["squeue", "-h", "-s", "-j", job, "-o", "%i"], capture_output=True, text=True,
-                                timeout=30, check=False)
-        steps = [s for s in listed.stdout.split() if s.rpartition(".")[2].isdigit()]
+        steps = control.job_steps(job)
         if not steps:
-            return f"no job step of {job} to signal ({listed.stderr.strip() or 'squeue listed none'})"
-        done = subprocess.run(["scancel", *args, *steps], capture_output=True, text=True, timeout=30, check=False)
-    except (OSError, subprocess.TimeoutExpired) as err:
+            return f"no job step of {job} to signal (squeue listed none)"
+        control.signal_steps(steps, signal_name)
+    except SlurmCommandError as err:
         return str(err)
-    return None if done.returncode == 0 else (done.stderr.strip() or f"scancel exited with {done.returncode}")
+    return None
 
 
 def ask_stacks() -> None:
     """SIGUSR1 to every rank of the job's steps: each writes its stacks (faulthandler)."""
-    error = _scancel(f"--signal={STACKS_SIGNAL.name.removeprefix('SIG')}")
+    error = _signal_steps(STACKS_SIGNAL.name.removeprefix("SIG"))
     if error is not None:
         print(f"gpujobs: could not ask the ranks for their stacks: {error}", file=sys.stderr, flush=True)
 
 
 def kill_steps() -> None:
     """SIGKILL every process of the job's steps, on every node (Slurm tracks them; a stopped one dies too)."""
-    error = _scancel("--signal=KILL")
+    error = _signal_steps("KILL")
     if error is not None:
         print(f"gpujobs: could not kill the hung step: {error}", file=sys.stderr, flush=True)
 
@@ -131,50 +130,30 @@ def kill_steps() -> None:
 def supervise(run_dir: Path, job_id: str, command: list[str]) -> int:
     """Run one attempt of the job in `run_dir` and record it if its ranks did not; returns the exit code."""
     job = read_config(run_dir)
-    train_dir = start.training_dir(run_dir, job_id)
-    start.stand_down_unless_ours(train_dir, job_id)
+    train_dir = task.training_dir(run_dir, job_id)
+    task.stand_down_unless_ours(train_dir, job_id)
     ledger = AttemptLog(train_dir)
     before = len(ledger.read())
-    world = allocated_world_size()
-    watchdog = Watchdog.for_job(train_dir, job, world or job.resources.world_size, instance(), before + 1,
-                                kill=kill_steps, signal_remote=ask_stacks)
+    # SLURM_NTASKS of the batch step: the allocation's ranks (an elastic job's differ between attempts)
+    ranks = allocated_world_size() or job.resources.world_size
+    watchdog = HangWatchdog.for_job(train_dir, job, ranks, instance(), before + 1, kill=kill_steps,
+                                    signal_remote=ask_stacks)
     started = time.time()
     code, lines = run_step(command, watchdog)
     withdraw_left_target(train_dir)  # the ranks are gone: a target rank 0 could not withdraw (killed) goes too
-    if len(ledger.read()) > before:
-        return code  # rank 0 recorded the attempt (and requeued the job if it may go again)
-    try:
-        _record_step(train_dir, job, watchdog, code, lines, started)
-    except AttemptNotRecorded as err:  # a full disk: said in one line, as the local launcher says it
-        say_unrecorded(err)
-    return code
-
-
-def _record_step(train_dir: Path, job: JobConfig, watchdog: Optional[Watchdog], code: int, lines: list[str],
-                 started: float) -> None:
-    """Record the attempt its ranks did not: hung, completed (a script's), or how they ended."""
-    world = allocated_world_size()
-    if watchdog is not None and watchdog.report is not None:
-        record_attempt(str(train_dir), job, "hung", recorded_by="supervisor", world_size=world,
-                       **watchdog.report.attempt_fields())
-        return
-    ranks = world or job.resources.world_size
-    if code == 0:
-        if job.script is not None:  # every rank's script exited 0: the line is ours (`record_completed`)
-            record_completed(train_dir, job, ranks, started, time.time() - started, recorded_by="supervisor")
-        return
-    left = failures.left_outcome(train_dir, ranks, instance())
-    if left is not None:  # a rank lived to say why it failed or stopped (after rank 0 was done, or died)
-        reason, fields = left
-        record_attempt(str(train_dir), job, reason, recorded_by="supervisor", world_size=ranks,
-                       start=round(started, 3), **fields)
-        return
+    history = ledger.read()
     what = died(lines)
-    error = "; ".join(what) if what else f"srun exited with code {code}"
-    why = f"the ranks recorded nothing: {error}"
-    # SLURM_NTASKS of the batch step: the allocation's ranks (an elastic job's differ between attempts)
-    record_attempt(str(train_dir), job, "failed", recorded_by="supervisor", error=why, start=round(started, 3),
-                   world_size=allocated_world_size(), node=crashed_node(lines))
+    end = AttemptEnd(
+        ranks=ranks, started=started, exited_ok=code == 0, recorded=history[-1] if len(history) > before else None,
+        hang=watchdog.report if watchdog is not None else None,
+        # a rank that lived to say why it failed or stopped (after rank 0 was done, or died)
+        left=failures.left_outcome(train_dir, ranks, instance()) if code != 0 else None,
+        error=f"the ranks recorded nothing: {'; '.join(what) if what else f'srun exited with code {code}'}",
+        node=crashed_node(lines), script=job.script is not None,
+    )
+    # where rank 0 recorded the attempt (and requeued the job if it may go again), its line stands
+    record_verdict(ledger, job, judge(end), recorded_by="supervisor")
+    return code
 
 
 def _stay(signum: int, frame: Optional[FrameType]) -> None:
@@ -191,14 +170,14 @@ def main(argv: Optional[list[str]] = None) -> None:
     # not SIG_IGN: srun, which we exec, must get its default back.
     signal.signal(signal.SIGTERM, _stay)
     args = list(sys.argv[1:] if argv is None else argv)
-    if args[:1] != ["--"] or "gpujobs.rank.srun" not in args:
-        raise SystemExit("usage: python -m gpujobs.attempt.supervise -- srun ... python -m gpujobs.rank.srun ARGS")
+    if args[:1] != ["--"] or task.RANK_MODULE not in args:
+        raise SystemExit(f"usage: python -m gpujobs.attempt.supervise -- srun ... python -m {task.RANK_MODULE} ARGS")
     command = args[1:]
     job_id = slurm_job_id()
     if job_id is None:
         raise SystemExit("gpujobs: the supervisor runs in a Slurm batch step (no SLURM_JOB_ID here)")
-    target = start.parse_args(command[command.index("gpujobs.rank.srun") + 1:])
-    raise SystemExit(supervise(start.run_dir_of(target, os.environ.get("SLURM_ARRAY_TASK_ID")), job_id, command))
+    target = task.parse_args(command[command.index(task.RANK_MODULE) + 1:])
+    raise SystemExit(supervise(task.run_dir_of(target, os.environ.get("SLURM_ARRAY_TASK_ID")), job_id, command))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
-"""The hang watchdog beside the ranks: when did any rank last make progress, and who is to blame.
+"""The hang detector beside the ranks: when did any rank last make progress, and who is to blame.
 
 The supervisor (the local launcher; on Slurm the batch step's `gpujobs.attempt.supervise`) calls
-`HangWatch.poll` about once a second. It reads every rank's heartbeat (`gpujobs.rundir.heartbeat`) and
+`HangDetector.poll` about once a second. It reads every rank's heartbeat (`gpujobs.rundir.heartbeat`) and
 notes, on its own clock, when each rank's (step, phase) and its write counter last changed:
 
 - the attempt is hung once no rank's (step, phase) changed for `trainer.hang_timeout_s`, or for
@@ -78,7 +78,7 @@ class Hang:
                 f"{self.why}")
 
 
-class HangWatch:
+class HangDetector:
     """Watches the heartbeats of one attempt (`instance`: see `heartbeat.instance`) of `world_size` ranks."""
 
     def __init__(

@@ -1,9 +1,10 @@
 """What every rank runs: the gpujobs trainer or the user's own script, built from the run dir's config.
 
 Local, debug and Slurm runs all start the job side from the `config.yaml` that the submit side wrote
-(`FromRunDir` here; `gpujobs.rank.srun` on Slurm), so the local tests exercise the path that Slurm
-runs and hand-run `sbatch submit.sbatch` depend on. Building a payload is torch-free: the ranks
-import torch when they run it.
+(`FromRunDir` here, which the local launcher names by a string: `gpujobs.attempt.program`;
+`gpujobs.rank.srun` on Slurm), so the local tests exercise the path that Slurm runs and hand-run
+`sbatch submit.sbatch` depend on. Building a payload is torch-free: the ranks import torch when they
+run it.
 """
 
 from __future__ import annotations

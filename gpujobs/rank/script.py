@@ -24,13 +24,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from gpujobs.attempt import failures, orphan
+from gpujobs.attempt.judge import record_completed, script_result
 from gpujobs.backends.jobenv import detect, export_torchrun_env
 from gpujobs.config.load import JobConfig
 from gpujobs.rundir.nccl import export_nccl_env
-from gpujobs.rundir.records import write_result_or_say
 
 if TYPE_CHECKING:
-    from gpujobs.attempt.preemption import PreemptionWatcher
+    from gpujobs.attempt.preemption import StopFlag
 
 #: What the script gets when the job must stop.
 STOP_SIGNAL = signal.SIGTERM
@@ -45,15 +45,15 @@ class ScriptJob:
     master_port: Optional[int] = None
 
     def __call__(self) -> dict[str, Any]:
-        from gpujobs.attempt.preemption import PreemptionWatcher
+        from gpujobs.attempt.preemption import StopFlag
 
-        watcher = PreemptionWatcher().install()  # first: a USR2 from now on is ours, not submitit's
+        watcher = StopFlag().install()  # first: a USR2 from now on is ours, not submitit's
         try:  # ... until the attempt is recorded: submitit's own USR2 handler would requeue it outside the budgets
             return self._run(watcher)
         finally:
             watcher.uninstall()
 
-    def _run(self, watcher: PreemptionWatcher) -> dict[str, Any]:
+    def _run(self, watcher: StopFlag) -> dict[str, Any]:
         from gpujobs.attempt.preemption import EXIT_REQUEUED, classify_stop, record_attempt
 
         started = time.time()
@@ -71,7 +71,7 @@ class ScriptJob:
                                      lambda: watcher.flagged)
         # only a script that was told to stop stopped: a USR2 that came after it exited changes nothing
         told_at = (watcher.flagged_at or time.time()) if told else None
-        line = {"start": round(started, 3), "script_exit": code}
+        line: dict[str, Any] = {"start": round(started, 3), "script_exit": code}
         if told_at is not None:
             reason = classify_stop(self.job, started, told_at)
             if info.is_main:
@@ -96,33 +96,7 @@ class ScriptJob:
         else:
             failures.ended(Path(self.run_dir), info.rank, info.node, "done")
         # with peers, rank 0 cannot know that theirs will exit 0 too: what sees every rank end records it
-        return {**_result(self.job, info.world_size, wall_s), "rank": info.rank, "node": info.node}
-
-
-def _result(job: JobConfig, world_size: int, wall_s: float) -> dict[str, Any]:
-    path = job.script.path if job.script is not None else ""
-    return {"status": "completed", "kind": "script", "script": path, "world_size": world_size,
-            "wall_s": round(wall_s, 3)}
-
-
-def record_completed(run_dir: Path, job: JobConfig, world_size: int, started: float, wall_s: float,
-                     recorded_by: str = "rank 0") -> None:
-    """Every rank's script exited 0 by itself: the attempt's `completed` line, then result.json.
-
-    Rank 0 records it only when it ran alone. With peers, a script's rank 0 may end before another
-    rank's script fails (a last save, an evaluation on one rank), so the line is written by what stands
-    beside the ranks and sees all of them end: the supervisor of the Slurm step, or the local launcher.
-    A full disk that takes neither is said in one line on stderr each; the run ends as it would have.
-    """
-    from gpujobs.attempt.preemption import record_attempt
-    from gpujobs.rundir.attempts import AttemptNotRecorded, say_unrecorded
-
-    try:
-        record_attempt(str(run_dir), job, "completed", recorded_by=recorded_by, world_size=world_size,
-                       start=round(started, 3), script_exit=0)
-    except AttemptNotRecorded as err:
-        say_unrecorded(err)
-    write_result_or_say(run_dir, _result(job, world_size, wall_s))
+        return {**script_result(self.job, info.world_size, wall_s), "rank": info.rank, "node": info.node}
 
 
 def _run_until_done(command: list[str], cwd: Optional[str], stop_asked: Any) -> tuple[int, bool]:

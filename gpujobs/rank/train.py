@@ -42,7 +42,7 @@ class TrainJob:
     """Draw progress in this process (the in-process debug executor)."""
 
     def __call__(self) -> dict[str, Any]:
-        from gpujobs.attempt.preemption import PreemptionWatcher
+        from gpujobs.rank.stop import PreemptionWatcher
 
         watcher = PreemptionWatcher().install()  # first, before torch loads: a USR2 from now on is ours
         started = time.time()

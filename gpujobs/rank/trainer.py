@@ -14,7 +14,6 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from gpujobs.attempt.preemption import PreemptionWatcher
 from gpujobs.backends.jobenv import DistInfo
 from gpujobs.config.load import JobConfig
 from gpujobs.rank import collectives
@@ -26,6 +25,7 @@ from gpujobs.rank.observe.telemetry import Telemetry
 from gpujobs.rank.optim import build_optimizer, build_scheduler
 from gpujobs.rank.precision import autocast_dtype, describe, emulated_bf16
 from gpujobs.rank.rng import reseed_rank, rng_state, set_rng_state
+from gpujobs.rank.stop import PreemptionWatcher
 from gpujobs.rank.task import Task
 from gpujobs.rundir.heartbeat import NoBeat
 from gpujobs.rundir.records import CheckpointRecord, EvalRecord, MetricsRecord, PlanRecord, TrainRecord

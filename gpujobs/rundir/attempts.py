@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
 import sys
 import time
@@ -20,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpujobs.base.atomic import append_jsonl, write_text_atomic
+from gpujobs.base.atomic import append_jsonl
 from gpujobs.base.errors import GpujobsError
 from gpujobs.config.load import ClusterConfig
 from gpujobs.rundir import ATTEMPTS_FILE, lease
@@ -86,7 +85,7 @@ class AttemptNotRecorded(GpujobsError):
 
 
 class AttemptLog:
-    """Appends and reads `attempts.jsonl` (one writer at a time: rank 0, or the local launcher).
+    """Appends and reads `attempts.jsonl` (one writer at a time: rank 0, or a supervisor beside the ranks).
 
     A line that cannot be written whole (a full disk) is written without its details; one that cannot
     be written at all is kept in the run dir's lease (`lease.keep_unrecorded`) and here (`unrecorded`: the
@@ -116,13 +115,22 @@ class AttemptLog:
                 pending.setdefault((attempt.attempt, attempt.end), attempt)
         return list(pending.values())
 
+    def decide(self, cluster: ClusterConfig, reason: str) -> Decision:
+        """Whether another attempt may follow the one that just ended with `reason`, within `cluster`'s
+        budgets, given every attempt before it (those only the lease or this log keeps too)."""
+        return RequeuePolicy.of(cluster).decide(self.read(), reason)
+
     def record(self, cluster: ClusterConfig, reason: str, **fields: Any) -> Attempt:
         """Decide whether another attempt may follow the one that just ended with `reason`, and write
-        its line (`fields`: the other `Attempt` fields); returns the attempt as written.
+        its line (`fields`: the other `Attempt` fields); returns the attempt as written (see `write`)."""
+        return self.write(reason, self.decide(cluster, reason), **fields)
+
+    def write(self, reason: str, decision: Decision, **fields: Any) -> Attempt:
+        """Write the line of the attempt that just ended with `reason`, as `decision` says (whether another
+        may follow, and why), once; returns the attempt as written.
 
         Raises AttemptNotRecorded (the attempt kept in the lease and `unrecorded`) when no line could be written."""
         history = self.read()
-        decision = RequeuePolicy.of(cluster).decide(history, reason)
         attempt = Attempt(
             attempt=len(history) + 1, reason=reason, requeue=decision.requeue, why=decision.why,
             end=round(time.time(), 3), **fields,
@@ -141,21 +149,6 @@ class AttemptLog:
         self.unrecorded = pending
         self._keep(pending)
         return written
-    def record_or_say(self, cluster: ClusterConfig, reason: str, **fields: Any) -> Attempt:
-        """`record`, for what stands beside the ranks (the launcher, the supervisor): a line that cannot be
-        written is said in one line on stderr instead, and the attempt is returned as decided."""
-        try:
-            return self.record(cluster, reason, **fields)
-        except AttemptNotRecorded as err:
-            say_unrecorded(err)
-            return err.attempt
-
-    def amend_last(self, **changes: Any) -> Attempt:
-        """Update the last attempt's line in place (atomically: the file is rewritten whole)."""
-        attempts = read_attempts(self.run_dir)
-        attempts[-1] = dataclasses.replace(attempts[-1], **changes)
-        write_text_atomic(self.path, "".join(json.dumps(a.to_json(), sort_keys=True) + "\n" for a in attempts))
-        return attempts[-1]
 
     def _keep(self, pending: list[Attempt]) -> bool:
         """Keep `pending` (their short lines) in the lease; whether it took them."""
