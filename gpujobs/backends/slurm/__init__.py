@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Optional
 
 from gpujobs.backends.base import Allocation, PreflightCache, Scheduler
-from gpujobs.backends.slurm import jobs, preflight, quarantine, sacct
+from gpujobs.backends.slurm import control, jobs, preflight, quarantine, sacct
+from gpujobs.backends.slurm.commands import SlurmCommandError
 from gpujobs.config.load import JobConfig
 
 #: scancel's reasons for a job that had already ended (one purged after MinJobAge is "invalid").
@@ -70,7 +71,11 @@ class SlurmBackend(Scheduler):
         return jobs.job_liveness(job_id)
 
     def requeue(self, job_id: str) -> Optional[str]:
-        return jobs.requeue(job_id)
+        try:
+            control.requeue(job_id)
+        except SlurmCommandError as err:
+            return str(err)
+        return None
 
     def exclude(self, job_id: str, nodes: Sequence[str]) -> Optional[str]:
         return quarantine.exclude(job_id, nodes)

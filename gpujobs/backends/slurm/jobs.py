@@ -22,8 +22,6 @@ LIVE_STATES = {
     "PENDING", "RUNNING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING", "SUSPENDED", "COMPLETING",
     "CONFIGURING", "STOPPED", "SIGNALING", "STAGE_OUT", "PREEMPTED", "RESV_DEL_HOLD", "SPECIAL_EXIT",
 }
-#: How often `requeue` tries: a busy controller refuses now and then.
-REQUEUE_TRIES = 5
 
 
 def job_state(job_id: str, timeout_s: float = 20.0) -> Optional[str]:
@@ -96,46 +94,3 @@ def cancel(job_ids: Sequence[str]) -> dict[str, str]:
     if proc.returncode != 0 and not errors:  # it named no id: it did not get as far as signalling any
         raise SlurmCommandError(command, f"failed: {last_line(proc.stderr) or proc.returncode}", proc.returncode)
     return errors
-
-
-def requeue(job_id: str, tries: int = REQUEUE_TRIES) -> Optional[str]:
-    """`scontrol requeue job_id`, retried with backoff (a busy controller refuses now and then);
-    None once it worked, else the last error."""
-    error = ""
-    for attempt in range(tries):
-        if attempt:
-            time.sleep(2 ** (attempt - 1))
-        try:
-            slurm_command(["scontrol", "requeue", job_id], timeout_s=60)
-            return None
-        except SlurmCommandError as err:
-            error = err.reason
-        log.warning("scontrol requeue %s failed (try %d of %d): %s", job_id, attempt + 1, tries, error)
-    return f"scontrol requeue failed {tries} times: {error}"
-
-
-def set_node_range(job_id: str, least: int, most: int, tasks: Optional[int] = None) -> Optional[str]:
-    """`scontrol update` the job's node range to `least-most` (and its task count to `tasks`, if given);
-    None once done, else Slurm's reason."""
-    command = ["scontrol", "update", f"JobId={job_id}", f"NumNodes={least}-{most}"]
-    if tasks is not None:
-        command.append(f"NumTasks={tasks}")
-    try:
-        slurm_command(command)
-    except SlurmCommandError as err:
-        return err.reason
-    return None
-
-
-def signal_steps(job_id: str, signal_name: str) -> Optional[str]:
-    """`scancel --signal=SIGNAL JOB.STEP` for every job step of the job (not the batch step: the
-    supervisor's own); None once done, else what went wrong. `signal_name` as scancel takes it: USR1, KILL."""
-    try:
-        listed = slurm_command(["squeue", "-h", "-s", "-j", job_id, "-o", "%i"], check=False)
-        steps = [s for s in listed.stdout.split() if s.rpartition(".")[2].isdigit()]
-        if not steps:
-            return f"no job step of {job_id} to signal ({listed.stderr.strip() or 'squeue listed none'})"
-        slurm_command(["scancel", f"--signal={signal_name}", *steps])
-    except SlurmCommandError as err:
-        return str(err)
-    return None
