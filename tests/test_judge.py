@@ -85,5 +85,5 @@ def test_a_requeue_that_fails_is_said_in_the_one_line_written(tmp_path: Path, mo
     assert (run_dir / "attempts.jsonl").stat().st_ino == inode  # appended to, never rewritten
     assert lines[-1] == recorded.to_json() and len(lines) == 2
     assert (recorded.requeue, recorded.job_id) == (False, "4242")
-    assert recorded.why == ("preempted 2 of at most 3, but the requeue failed: `scontrol requeue 4242` failed: "
-                            "slurm_requeue error: Invalid job id specified"), recorded.why
+    assert recorded.why == ("preempted 2 of at most 3, but the requeue failed: scontrol failed: "
+                            "slurm_requeue error: Invalid job id specified (`scontrol requeue 4242`)"), recorded.why
