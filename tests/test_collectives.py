@@ -41,7 +41,7 @@ from gpujobs.config.nccl import NcclSettings
 from gpujobs.rank import collectives, distributed
 from gpujobs.rank.train import TrainJob
 
-HELPER_MODULE = REPO / "gpujobs" / "run" / "collectives.py"
+HELPER_MODULE = REPO / "gpujobs" / "rank" / "collectives.py"
 TINY = ("+experiment=rec", "+debug=tiny", "cluster=local", "resources.procs_per_node=2")
 # Every public torch.distributed function that talks to other ranks.
 COLLECTIVES = frozenset({
