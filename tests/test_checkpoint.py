@@ -13,7 +13,7 @@ import torch
 
 from gpujobs.rank.checkpoint import Checkpointed, CheckpointManager, CheckpointNotSaved
 from gpujobs.rundir import MARKER
-from gpujobs.rundir.marker import SavedRun
+from gpujobs.rundir.marker import BadMarker, FileEntry, SavedBalance, SavedRun, newest_marker, read_marker
 
 
 def state(step: int) -> dict[str, Any]:
@@ -56,6 +56,26 @@ def test_a_large_file_is_checksummed_as_it_is_written_and_verifies(tmp_path: Pat
     assert entry["crc32"] == zlib.crc32((path / "state.pt").read_bytes())
     loaded, skipped = manager.load_latest()
     assert loaded is not None and skipped == [] and torch.equal(loaded.shared["w"], big["w"])
+
+
+def test_one_marker_reader_for_both_sides(tmp_path: Path) -> None:
+    """The checkpointer writes the marker through `Marker`; the torch-free reader gives the same record back,
+    and refuses what is no marker (its step is then no checkpoint on either side)."""
+    manager = CheckpointManager(tmp_path / "run" / "checkpoints", every_steps=1, keep=2)
+    run = SavedRun({"trainer": {"max_steps": 4}}, 64, 128, SavedBalance("dynamic", [{"step": 0, "shares": [1.0],
+                                                                                    "counts": [64]}]))
+    path = manager.save(2, lambda: state(2), {"rng": torch.zeros(2)}, run)
+    marker = read_marker(path)
+    assert marker.step == 2 and marker.world_size == 1 and marker.run == run
+    assert sorted(marker.files) == ["rank_0.pt", "state.pt"]
+    assert marker.files["state.pt"] == FileEntry((path / "state.pt").stat().st_size,
+                                                 zlib.crc32((path / "state.pt").read_bytes()))
+    assert newest_marker(tmp_path / "run") == (path, marker)
+    for garbage in ("[]", '{"step": "2"}', '{"step": 2, "files": {"state.pt": 7}}', "{torn"):
+        (path / MARKER).write_text(garbage)
+        with pytest.raises(BadMarker):
+            read_marker(path)
+    assert newest_marker(tmp_path / "run") is None
 
 
 def test_keeps_only_the_last_k(tmp_path: Path) -> None:

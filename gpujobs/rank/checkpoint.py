@@ -162,8 +162,8 @@ class CheckpointManager:
         start = time.perf_counter()
         try:
             self.wait()
-            self.saved_step = step
             self.published = self.files.write_and_agree(step, shared, lambda: own, run or SavedRun(), None)
+            self.saved_step = step
             return self.published
         finally:
             self.last_blocking_s = time.perf_counter() - start
