@@ -61,6 +61,7 @@ def test_a_large_file_is_checksummed_as_it_is_written_and_verifies(tmp_path: Pat
 def test_one_marker_reader_for_both_sides(tmp_path: Path) -> None:
     """The checkpointer writes the marker through `Marker`; the torch-free reader gives the same record back,
     and refuses what is no marker (its step is then no checkpoint on either side)."""
+    (tmp_path / "run").mkdir()
     manager = CheckpointManager(tmp_path / "run" / "checkpoints", every_steps=1, keep=2)
     run = SavedRun({"trainer": {"max_steps": 4}}, 64, 128, SavedBalance("dynamic", [{"step": 0, "shares": [1.0],
                                                                                     "counts": [64]}]))
