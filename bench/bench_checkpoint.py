@@ -7,9 +7,11 @@ prune) and (b) `torch.save` into a new file per step followed by fsync, deleting
 a hand-written keep-1 loop does), so both pay for durability and for fresh pages; (c) the same without
 fsync, as the floor a non-durable save costs; (d) `CheckpointManager.save_async`: the time it blocks
 its caller (the host snapshot), then, not counted in it, the wait for the background save to be
-published (`async_total_s` is both). Median ratios; the acceptance line of issue 12 is
-`async_vs_sync` <= 0.1 for 1 GB. `--device cuda` puts the state on the GPU (snapshots go to pinned
-host memory).
+published (`async_total_s` is both). Median ratios; the acceptance lines are `async_vs_sync` <= 0.1
+(issue 12) and `ratio_vs_torch_save_fsync` <= 1.3 (issue 26) for 1 GB. `--device cuda` puts the state
+on the GPU (snapshots go to pinned host memory). Each line also says how loaded the machine was (the
+load average before and after, and the cores) and what memory and disk space it had: on a shared
+machine only ratios measured side by side mean anything.
 
 `--crash-trials N` instead runs the crash test (tests/test_checkpoint_crash.py) with N SIGKILLs at
 random moments of saving, and reports how many checkpoints were checked whole and how long it took.
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -42,6 +45,13 @@ def state_of(megabytes: int, device: str = "cpu") -> dict[str, Any]:
     }
 
 
+def _machine(where: Path) -> dict[str, Any]:
+    """How loaded the machine is and what it has: the 1-minute load average, cores, free memory and disk."""
+    pages = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return {"cores": os.cpu_count(), "load_before": round(os.getloadavg()[0], 2),
+            "free_ram_gb": round(pages / 2**30, 1), "free_disk_gb": round(shutil.disk_usage(where).free / 2**30, 1)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes-mb", type=int, nargs="+", default=[10, 1024])
@@ -61,6 +71,7 @@ def main() -> None:
     report = []
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         for size in args.sizes_mb:
+            machine = _machine(Path(tmp))
             state = state_of(size, args.device)
 
             def shared(state: dict[str, Any] = state) -> dict[str, Any]:
@@ -70,7 +81,7 @@ def main() -> None:
                 "gpujobs": [], "torch_save_fsync": [], "torch_save": [], "async_blocking": [], "async_total": [],
             }
             manager = CheckpointManager(Path(tmp) / f"ck{size}", every_steps=1, keep=1)
-            background = CheckpointManager(Path(tmp) / f"async{size}", every_steps=1, keep=1, async_save=True)
+            background = CheckpointManager(Path(tmp) / f"async{size}", every_steps=1, keep=1, background=True)
             for step in range(1, args.rounds + 1):
                 start = time.perf_counter()
                 manager.save(step, shared, {"rng": torch.get_rng_state()})
@@ -93,6 +104,7 @@ def main() -> None:
                 background.wait()  # not overlapping the next round's measurements
                 times["async_total"].append(time.perf_counter() - start)
             background.close()
+            load_after = os.getloadavg()[0]
             med = {k: statistics.median(v) for k, v in times.items()}
             report.append({
                 "state_mb": size,
@@ -105,6 +117,8 @@ def main() -> None:
                 "async_total_s": round(med["async_total"], 4),
                 "async_vs_sync": round(med["async_blocking"] / med["gpujobs"], 3),
                 "device": args.device,
+                **machine,
+                "load_after": round(load_after, 2),
             })
             print(json.dumps(report[-1]), flush=True)
 

@@ -147,6 +147,7 @@ def main() -> None:
     args = parser.parse_args()
     job = job_config(args.steps, args.overrides)
     rates: dict[str, list[float]] = {"gpujobs": [], "minimal": []}
+    load_before = os.getloadavg()[0]
     port = 29600 + os.getpid() % 1000
     for round_ in range(args.rounds):
         for kind in ("gpujobs", "minimal") if round_ % 2 == 0 else ("minimal", "gpujobs"):
@@ -166,6 +167,11 @@ def main() -> None:
         "trainer_vs_minimal": round(statistics.median(ratios), 3),
         "data_pipeline_samples_per_s_per_rank": round(pipeline, 1),
         "data_pipeline_vs_trainer_per_rank": round(pipeline / trainer_per_rank, 1),
+        # on a shared machine: how loaded it was (1-minute load average, before and after, and its cores)
+        "cores": os.cpu_count(),
+        "load_before": round(load_before, 2),
+        "load_after": round(os.getloadavg()[0], 2),
+        "ratios": [round(r, 3) for r in ratios],
     }
     print(json.dumps(report, indent=2))
 

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import json
 import shutil
+import zlib
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from gpujobs.rank.checkpoint import CheckpointManager, CheckpointNotSaved
+from gpujobs.rank.checkpoint import Checkpointed, CheckpointManager, CheckpointNotSaved
 from gpujobs.rundir import MARKER
+from gpujobs.rundir.marker import BadMarker, FileEntry, SavedBalance, SavedRun, newest_marker, read_marker
 
 
 def state(step: int) -> dict[str, Any]:
@@ -26,11 +28,11 @@ def save(manager: CheckpointManager, step: int) -> Path:
 def test_round_trip_keeps_tensors_and_plain_values(tmp_path: Path) -> None:
     manager = CheckpointManager(tmp_path / "ck", every_steps=10, keep=2)
     rng = torch.get_rng_state()
-    path = manager.save(10, lambda: state(10), {"rng": rng}, {"world_size": 1})
+    path = manager.save(10, lambda: state(10), {"rng": rng})
     assert (path / MARKER).is_file()
     loaded, skipped = manager.load_latest()
     assert loaded is not None and skipped == []
-    assert loaded.step == 10 and loaded.path == str(path) and loaded.meta["world_size"] == 1
+    assert loaded.step == 10 and loaded.path == str(path) and loaded.marker.world_size == 1
     assert torch.equal(loaded.shared["model"]["w"], state(10)["model"]["w"])
     assert loaded.shared["config"] == state(10)["config"]
     assert torch.equal(loaded.own["rng"], rng)
@@ -42,6 +44,39 @@ def test_the_marker_lists_every_file_with_size_and_checksum(tmp_path: Path) -> N
     assert sorted(files) == ["rank_0.pt", "state.pt"]
     for name, entry in files.items():
         assert entry["size"] == (path / name).stat().st_size and isinstance(entry["crc32"], int)
+        assert entry["crc32"] == zlib.crc32((path / name).read_bytes())  # taken as torch.save wrote it
+
+
+def test_a_large_file_is_checksummed_as_it_is_written_and_verifies(tmp_path: Path) -> None:
+    """A tensor's storage of 8 MiB or more is checksummed beside its write (on a helper thread)."""
+    manager = CheckpointManager(tmp_path / "ck", every_steps=1, keep=1)
+    big = {"w": torch.randn(3 << 20), "step": 1}  # 12 MiB
+    path = manager.save(1, lambda: big, {"rng": torch.zeros(2)})
+    entry = json.loads((path / MARKER).read_text())["files"]["state.pt"]
+    assert entry["crc32"] == zlib.crc32((path / "state.pt").read_bytes())
+    loaded, skipped = manager.load_latest()
+    assert loaded is not None and skipped == [] and torch.equal(loaded.shared["w"], big["w"])
+
+
+def test_one_marker_reader_for_both_sides(tmp_path: Path) -> None:
+    """The checkpointer writes the marker through `Marker`; the torch-free reader gives the same record back,
+    and refuses what is no marker (its step is then no checkpoint on either side)."""
+    (tmp_path / "run").mkdir()
+    manager = CheckpointManager(tmp_path / "run" / "checkpoints", every_steps=1, keep=2)
+    run = SavedRun({"trainer": {"max_steps": 4}}, 64, 128, SavedBalance("dynamic", [{"step": 0, "shares": [1.0],
+                                                                                    "counts": [64]}]))
+    path = manager.save(2, lambda: state(2), {"rng": torch.zeros(2)}, run)
+    marker = read_marker(path)
+    assert marker.step == 2 and marker.world_size == 1 and marker.run == run
+    assert sorted(marker.files) == ["rank_0.pt", "state.pt"]
+    assert marker.files["state.pt"] == FileEntry((path / "state.pt").stat().st_size,
+                                                 zlib.crc32((path / "state.pt").read_bytes()))
+    assert newest_marker(tmp_path / "run") == (path, marker)
+    for garbage in ("[]", '{"step": "2"}', '{"step": 2, "files": {"state.pt": 7}}', "{torn"):
+        (path / MARKER).write_text(garbage)
+        with pytest.raises(BadMarker):
+            read_marker(path)
+    assert newest_marker(tmp_path / "run") is None
 
 
 def test_keeps_only_the_last_k(tmp_path: Path) -> None:
@@ -128,6 +163,25 @@ def test_policy_saves_on_cadence_and_at_the_end(tmp_path: Path) -> None:
     assert [s for s in range(1, 13) if manager.should_save(s, 12)] == [5, 10, 12]
     never = CheckpointManager(tmp_path, every_steps=0, keep=1)
     assert [s for s in range(1, 13) if never.should_save(s, 12)] == [12]
+
+
+def _tracked(manager: CheckpointManager, last_step: int) -> CheckpointManager:
+    manager.track(Checkpointed(lambda: state(1), lambda: {"rng": torch.zeros(2)}, SavedRun, last_step))
+    return manager
+
+
+def test_maybe_save_follows_the_policy_and_saves_at_an_agreed_stop(tmp_path: Path) -> None:
+    manager = _tracked(CheckpointManager(tmp_path / "ck", every_steps=5, keep=5), last_step=12)
+    taken = [manager.maybe_save(step) for step in range(1, 13)]
+    assert [t.step for t in taken if t is not None] == [5, 10, 12]
+    assert not any(t.background for t in taken if t is not None)
+    assert manager.complete_steps() == [5, 10, 12] and manager.published == manager.path_for(12)
+    assert manager.maybe_save(12) is None  # saved already: once per step
+
+    stopped = _tracked(CheckpointManager(tmp_path / "stop", every_steps=5, keep=5), last_step=12)
+    assert stopped.maybe_save(3) is None
+    taken_at_stop = stopped.maybe_save(3, stop=True)
+    assert taken_at_stop is not None and not taken_at_stop.background and stopped.complete_steps() == [3]
 
 
 def test_loading_refuses_pickled_code(tmp_path: Path) -> None:

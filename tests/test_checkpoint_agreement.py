@@ -69,7 +69,7 @@ def _worker(rank: int, root: str, scenario: str, world: int = WORLD) -> None:
         out["loaded"] = None if loaded is None else loaded.step
         out["shared_w"] = None if loaded is None else loaded.shared["model"]["w"].tolist()
         out["own"] = None if loaded is None else loaded.own
-        out["saved_world"] = None if loaded is None else loaded.meta["world_size"]
+        out["saved_world"] = None if loaded is None else loaded.marker.world_size
         out["skipped"] = skipped
         (Path(root) / f"{scenario}-rank{rank}.json").write_text(json.dumps(out))
         if world > 1:

@@ -20,8 +20,9 @@ import torch.multiprocessing as mp
 from test_checkpoint_agreement import assert_all_fell_back_to_step_1, damage_rank_1_and_resume
 from test_faults import small_disk
 
-from gpujobs.rank.checkpoint import CheckpointManager, CheckpointNotSaved
+from gpujobs.rank.checkpoint import Checkpointed, CheckpointManager, CheckpointNotSaved
 from gpujobs.rundir import MARKER
+from gpujobs.rundir.marker import SavedRun
 
 WORLD = 2
 #: Step boundaries a rank waits through for a background save before the test calls it stuck.
@@ -29,7 +30,7 @@ MAX_POLLS = 100_000
 
 
 def _manager(directory: Path, rank: int = 0, keep: int = 3) -> CheckpointManager:
-    return CheckpointManager(directory, every_steps=1, keep=keep, rank=rank, async_save=True)
+    return CheckpointManager(directory, every_steps=1, keep=keep, rank=rank, background=True)
 
 
 def _temporaries(directory: Path) -> list[str]:
@@ -42,7 +43,7 @@ def test_the_snapshot_is_a_copy_taken_before_save_async_returns(tmp_path: Path) 
     model = torch.nn.Linear(4, 3)
     rng = torch.arange(5.0)
     before = {name: value.clone() for name, value in model.state_dict().items()}
-    manager.save_async(1, lambda: {"model": model.state_dict(), "step": 1}, {"rng": rng}, {"world_size": 1})
+    manager.save_async(1, lambda: {"model": model.state_dict(), "step": 1}, {"rng": rng})
     assert manager.in_flight == 1
     with torch.no_grad():  # training goes on at once, in place, while the save is written
         model.weight.add_(100.0)
@@ -96,7 +97,7 @@ def test_a_failure_in_flight_is_raised_by_the_next_save_and_publishes_nothing(tm
 def test_an_exception_in_the_background_thread_is_the_saves_outcome(tmp_path: Path) -> None:
     manager = _manager(tmp_path / "ck")
     # the marker cannot hold this: json raises TypeError on the thread, while publishing
-    manager.save_async(1, lambda: {"w": torch.ones(3)}, {}, {"not_json": object()})
+    manager.save_async(1, lambda: {"w": torch.ones(3)}, {}, SavedRun(config={"not_json": object()}))
     with pytest.raises(CheckpointNotSaved) as err:
         manager.wait()
     assert "step 1 not saved" in str(err.value) and "rank 0 publishing" in str(err.value)
@@ -120,6 +121,19 @@ def test_blocking_time_is_recorded_for_both_kinds_of_save(tmp_path: Path) -> Non
     manager.last_blocking_s = -1.0
     manager.save(2, lambda: {"w": torch.ones(3)}, {})  # includes waiting for step 1's
     assert manager.last_blocking_s > 0
+
+
+def test_maybe_save_saves_periodic_steps_in_the_background_and_the_last_and_a_stop_in_the_foreground(
+    tmp_path: Path,
+) -> None:
+    manager = _manager(tmp_path / "ck", keep=5)
+    manager.track(Checkpointed(lambda: {"w": torch.randn(1_000_000)}, lambda: {}, SavedRun, 4))
+    first = manager.maybe_save(2)
+    assert first is not None and first.background and manager.in_flight == 2
+    stop = manager.maybe_save(2, stop=True)  # the ranks agreed to stop after step 2: its save is published now
+    assert stop is None and manager.in_flight is None and manager.published == manager.path_for(2)
+    last = manager.maybe_save(4)
+    assert last is not None and not last.background and manager.complete_steps() == [2, 4]
 
 
 # ---------------------------------------------------------------- real ranks

@@ -13,12 +13,14 @@ everything queued before it, the last step's all-reduce included, so every rank 
 rank's time. A start event runs only once the GPU is done with that, so the events leave it out: this
 is also the straggler check's signal on GPUs. The slow-GPU emulation (`telemetry.debug_slow_factor`)
 lives here too: the slowed rank sleeps (F - 1) times its measured compute at the same point, so it costs
-what an F times slower GPU would, in proportion to the rows it reads.
+what an F times slower GPU would, in proportion to the rows it reads. `StepTimes` holds a log window's
+timing of the whole step on the host clock, beside the clock's compute seconds.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -90,3 +92,30 @@ class ComputeClock:
             return collectives.average_gradient_bucket(bucket)
 
         ddp.register_comm_hook(None, hook)  # type: ignore[operator]
+
+
+@dataclass
+class StepTimes:
+    """Per-rank timing of the steps since the last log line."""
+
+    steps: int = 0
+    step_s: float = 0.0
+    data_s: float = 0.0
+    local_s: float = 0.0
+    """Data wait + forward on the host clock: what the straggler check compares where `compute_s` is not
+    measured (on the CPU, without dynamic balancing or the slow-GPU emulation)."""
+    losses: list[torch.Tensor] = field(default_factory=list)
+    """Each micro-batch's loss, detached: summed once per log line."""
+    compute_s: float = 0.0
+    """Data + forward + backward up to the gradient all-reduce (`ComputeClock`), summed."""
+    rows: int = 0
+    """Rows this rank read."""
+
+    def reset(self) -> None:
+        """Start a new window."""
+        self.steps, self.step_s, self.data_s, self.local_s, self.losses = 0, 0.0, 0.0, 0.0, []
+        self.compute_s, self.rows = 0.0, 0
+
+    def loss_sum(self) -> float:
+        """The window's summed loss (one host read)."""
+        return float(torch.stack(self.losses).sum()) if self.losses else 0.0

@@ -44,6 +44,12 @@ def device_for(info: DistInfo) -> torch.device:
     return torch.device("cpu")
 
 
+def device_names(device: torch.device) -> list[str]:
+    """Every rank's device model name as CUDA reports it ("cpu" for a CPU rank); collective."""
+    mine = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return [str(name) for name in collectives.all_gather_objects(mine)]
+
+
 def gpu_index_for(info: DistInfo, visible: int) -> int:
     """The CUDA index of this rank's GPU among the `visible` ones: its local rank where every rank of the
     node sees the node's GPUs; 0 where it sees one (Slurm binds one GPU to each task, or else ranks share

@@ -35,3 +35,9 @@ def build_scheduler(
 ) -> torch.optim.lr_scheduler.LambdaLR:
     """A LambdaLR following `lr_factor`; its state is saved with the checkpoint."""
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg, max_steps))
+
+
+def schedule_is_flat(cfg: OptimConfig) -> bool:
+    """Whether the learning rate never moves (constant, no warm-up): stepping its scheduler then changes
+    nothing but its counter, and the train step can leave it out."""
+    return cfg.schedule == "constant" and cfg.warmup_steps == 0

@@ -10,10 +10,17 @@ the checkpoint format and the loss curve's kind whatever the GPU.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Optional
+import contextlib
+import functools
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
 
 import torch
+
+from gpujobs.rank import collectives
+
+log = logging.getLogger(__name__)
 
 BF16_CAPABILITY = (8, 0)
 """The first CUDA compute capability (Ampere) with bf16 tensor cores."""
@@ -54,3 +61,26 @@ def emulated_bf16(amp: str, capabilities: Sequence[tuple[int, int]]) -> Optional
                 f"(8.0, Ampere, and newer do)")
     return (f"trainer.amp=bf16 on GPUs of compute capability {seen}: bf16 is emulated there, slower than fp32 "
             f"(trainer.amp=auto trains them in fp32)")
+
+
+def gpu_capabilities(device: torch.device) -> list[tuple[int, int]]:
+    """Every rank's CUDA compute capability (empty on CPU ranks), so that all ranks choose one precision;
+    collective on a GPU rank (every rank of a job has the same kind of device)."""
+    if device.type != "cuda":
+        return []
+    mine = tuple(torch.cuda.get_device_capability(device))
+    return [(int(major), int(minor)) for major, minor in collectives.all_gather_objects(mine)]
+
+
+def job_autocast(amp: str, device: torch.device, is_main: bool) -> Callable[[], contextlib.AbstractContextManager[Any]]:
+    """What the train step enters around its forward pass: `torch.autocast` in the job's precision, or
+    nothing (fp32). Rank 0 logs the choice, and warns where bf16 is emulated."""
+    capabilities = gpu_capabilities(device)
+    dtype = autocast_dtype(amp, capabilities)
+    if is_main:
+        log.info("precision: %s", describe(dtype, capabilities))
+        if warning := emulated_bf16(amp, capabilities):
+            log.warning("%s", warning)
+    if dtype is None:
+        return contextlib.nullcontext
+    return functools.partial(torch.autocast, device_type=device.type, dtype=dtype)

@@ -11,7 +11,7 @@ import importlib
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -51,7 +51,7 @@ class TrainJob:
         logging.basicConfig(level=logging.INFO, format="[%(asctime)s][rank %(rank)s] %(message)s")
         info = jobenv.detect(self.master_port)
         _tag_log_records(info.rank)
-        attempt = _Attempt(self.job, self.run_dir, info, started)
+        attempt = _Attempt(self.job, self.run_dir, info, started, watcher=watcher)
         attempt.lines_before = _lines(self.run_dir) if info.is_main else 0
         if info.is_main:
             from gpujobs.attempt import orphan
@@ -77,17 +77,24 @@ class TrainJob:
         return Heartbeat(Path(self.run_dir), info.rank, info.node, interval_for(hang_timeout_s)).start()
 
     def _run(self, info: Any, watcher: Any, attempt: _Attempt, cleanup: contextlib.ExitStack) -> dict[str, Any]:
+        from gpujobs.rank.trainer import Trainer
+
+        job, run_dir = self.job, Path(self.run_dir)
+        device = self._join(info, watcher, attempt, cleanup)
+        metrics, observers = self._observe(info, device, attempt, cleanup)
+        checkpoints = self._checkpoints(info, attempt, cleanup)
+        attempt.trainer = Trainer(job, info, device, attempt.task, checkpoints, metrics, **observers)
+        result = attempt.trainer.fit()
+        attempt.beat.phase = "done"  # what follows (a Prometheus linger, the teardown) is no hang
+        result["ranks"] = attempt.ranks
+        self._record(info, watcher, attempt, result, run_dir)
+        return result
+
+    def _join(self, info: Any, watcher: Any, attempt: _Attempt, cleanup: contextlib.ExitStack) -> Any:
+        """Set torch up for the job, join the process group (left at `cleanup`); this rank's device."""
         import torch
 
-        from gpujobs.attempt.preemption import EXIT_REQUEUED, classify_stop, record_attempt
         from gpujobs.rank import distributed
-        from gpujobs.rank.checkpoint import CheckpointManager
-        from gpujobs.rank.metrics import MetricsLog
-        from gpujobs.rank.observe.telemetry import Telemetry
-        from gpujobs.rank.observe.trackers import open_trackers
-        from gpujobs.rank.rng import seed_everything
-        from gpujobs.rank.trainer import Trainer
-        from gpujobs.rundir.progress import ProgressView
 
         job, run_dir = self.job, Path(self.run_dir)
         torch.set_num_threads(job.resources.cpus_per_task)
@@ -107,38 +114,59 @@ class TrainJob:
         log.info("NCCL environment: %s", {key: os.environ[key] for key in sorted(job.nccl.to_env(run_dir))})
         if job.resources.gpus_per_node and device.type == "cpu":
             log.warning("GPUs were requested but CUDA is not available here: training on the CPU with gloo")
-        ranks = distributed.gather_ranks(info, device)
+        attempt.ranks = distributed.gather_ranks(info, device)
+        return device
+
+    def _observe(
+        self, info: Any, device: Any, attempt: _Attempt, cleanup: contextlib.ExitStack
+    ) -> tuple[Any, dict[str, Any]]:
+        """The metrics log, the health gate, and the trainer's observers (progress, trackers, telemetry,
+        the preemption flag, the heartbeat), each closed at `cleanup`."""
+        from gpujobs.rank.metrics import MetricsLog
+        from gpujobs.rank.observe.telemetry import Telemetry
+        from gpujobs.rank.observe.trackers import open_trackers
+        from gpujobs.rundir.progress import ProgressView
+
+        job, run_dir = self.job, Path(self.run_dir)
         metrics = MetricsLog(run_dir / METRICS_FILE if info.is_main else None)
         cleanup.callback(metrics.close)
-        health_s = None
         if job.cluster.health_check:  # before telemetry's NVML, the task and any restore: a sick node costs seconds
             from gpujobs.rank import health
 
             # an unhealthy node: rank 0 records the attempt, every rank exits as a preempted one does
-            health_s = health.gate(job, self.run_dir, info, device, ranks, metrics, attempt.started)
+            attempt.health_s = health.gate(job, self.run_dir, info, device, attempt.ranks, metrics, attempt.started)
         view = ProgressView(job.trainer.max_steps, job.name, enabled=self.show_progress and info.is_main)
         cleanup.callback(view.close)
         # rank 0's TensorBoard/MLflow (`logger`): a queue put per record; ended as the attempt ends
         trackers = cleanup.enter_context(open_trackers(job, run_dir, info.is_main))
-        telemetry = Telemetry.start(job, info, ranks, device.type == "cuda", run_dir)
+        telemetry = Telemetry.start(job, info, attempt.ranks, device.type == "cuda", run_dir)
         cleanup.callback(telemetry.close)
+        return metrics, {"on_step": trackers.on_step(view.update), "telemetry": telemetry,
+                         "preemption": attempt.watcher, "heartbeat": attempt.beat}
+
+    def _checkpoints(self, info: Any, attempt: _Attempt, cleanup: contextlib.ExitStack) -> Any:
+        """Seed, build the task, and make the run's checkpointer (its save in flight ended at `cleanup`)."""
+        from gpujobs.rank.checkpoint import CheckpointManager
+        from gpujobs.rank.rng import seed_everything
+
+        job = self.job
         seed_everything(job.trainer.seed)
         build = load_task_builder(job.task)
         # the configured world size sizes a per-rank batch's global batch; the real one may differ (elastic)
         attempt.task = build(job.model, job.data, job.resources.world_size, job.trainer.grad_accum)
         ckpt = job.checkpoint
         checkpoints = CheckpointManager(
-            run_dir / CHECKPOINT_DIR, ckpt.every_steps, ckpt.keep, info.rank,
-            world_size=info.world_size, async_save=ckpt.background,
+            Path(self.run_dir) / CHECKPOINT_DIR, ckpt.every_steps, ckpt.keep, info.rank,
+            world_size=info.world_size, background=ckpt.background,
         )
         cleanup.callback(checkpoints.close)
-        attempt.trainer = Trainer(
-            job, info, device, attempt.task, checkpoints, metrics,
-            on_step=trackers.on_step(view.update), telemetry=telemetry, preemption=watcher, heartbeat=attempt.beat,
-        )
-        result = attempt.trainer.fit()
-        attempt.beat.phase = "done"  # what follows (a Prometheus linger, the teardown) is no hang
-        result["ranks"] = ranks
+        return checkpoints
+
+    def _record(self, info: Any, watcher: Any, attempt: _Attempt, result: dict[str, Any], run_dir: Path) -> None:
+        """Rank 0 records the attempt (and the result, once completed); a stopped rank exits to be requeued."""
+        from gpujobs.attempt.preemption import EXIT_REQUEUED, classify_stop, record_attempt
+
+        job, health_s = self.job, attempt.health_s
         line = {
             "start": round(attempt.started, 3), "start_step": result["start_step"], "steps_done": result["steps"],
             "resumed_from": result["resumed_from"], "saved": result["saved"],
@@ -154,7 +182,6 @@ class TrainJob:
         if info.is_main:
             record_attempt(self.run_dir, job, "completed", **line)
             write_result_or_say(run_dir, result)
-        return result
 
 
 @dataclass
@@ -172,6 +199,12 @@ class _Attempt:
     """This rank's heartbeat (`gpujobs.rundir.heartbeat`)."""
     lines_before: int = 0
     """Rank 0: the ledger's lines when the attempt began (one more once it is recorded)."""
+    watcher: Any = None
+    """The preemption flag (`gpujobs.attempt.preemption.PreemptionWatcher`)."""
+    ranks: list[dict[str, Any]] = field(default_factory=list)
+    """Every rank's place and device (`distributed.gather_ranks`)."""
+    health_s: Optional[float] = None
+    """Seconds the health check at start took (None: not run)."""
 
     def failed(self, err: Exception) -> None:
         """Every rank: leave this rank's error (`gpujobs.attempt.failures`). Rank 0: record the failed attempt

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -18,42 +16,22 @@ from gpujobs.backends.jobenv import DistInfo
 from gpujobs.config.load import JobConfig
 from gpujobs.rank import collectives
 from gpujobs.rank.balance import Balancer, replay_history
-from gpujobs.rank.checkpoint import CheckpointManager
-from gpujobs.rank.compute_clock import ComputeClock
+from gpujobs.rank.checkpoint import Checkpointed, CheckpointManager
+from gpujobs.rank.compute_clock import ComputeClock, StepTimes
+from gpujobs.rank.distributed import device_names
 from gpujobs.rank.metrics import MetricsLog, param_digest
 from gpujobs.rank.observe.telemetry import Telemetry
-from gpujobs.rank.optim import build_optimizer, build_scheduler
-from gpujobs.rank.precision import autocast_dtype, describe, emulated_bf16
+from gpujobs.rank.optim import build_optimizer, build_scheduler, schedule_is_flat
+from gpujobs.rank.precision import job_autocast
 from gpujobs.rank.rng import reseed_rank, rng_state, set_rng_state
 from gpujobs.rank.stop import PreemptionWatcher
 from gpujobs.rank.task import Task
 from gpujobs.rundir.heartbeat import NoBeat
+from gpujobs.rundir.marker import SavedBalance, SavedRun
 from gpujobs.rundir.records import CheckpointRecord, EvalRecord, MetricsRecord, PlanRecord, TrainRecord
 from gpujobs.rundir.resume import check_same_run
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class StepTimes:
-    """Per-rank timing of the steps since the last log line."""
-
-    steps: int = 0
-    step_s: float = 0.0
-    data_s: float = 0.0
-    local_s: float = 0.0
-    """Data wait + forward on the host clock: what the straggler check compares where `compute_s` is not
-    measured (on the CPU, without dynamic balancing or the slow-GPU emulation)."""
-    loss_sum: float | torch.Tensor = 0.0
-    compute_s: float = 0.0
-    """Data + forward + backward up to the gradient all-reduce (`ComputeClock`), summed."""
-    rows: int = 0
-    """Rows this rank read."""
-
-    def reset(self) -> None:
-        """Start a new window."""
-        self.steps, self.step_s, self.data_s, self.local_s, self.loss_sum = 0, 0.0, 0.0, 0.0, 0.0
-        self.compute_s, self.rows = 0.0, 0
 
 
 class Trainer:
@@ -72,12 +50,8 @@ class Trainer:
         preemption: Optional[PreemptionWatcher] = None,
         heartbeat: Optional[NoBeat] = None,
     ) -> None:
-        self.job = job
-        self.info = info
-        self.device = device
-        self.task = task
-        self.checkpoints = checkpoints
-        self.metrics = metrics
+        self.job, self.info, self.device, self.task = job, info, device, task
+        self.checkpoints, self.metrics = checkpoints, metrics
         self.on_step = on_step or (lambda step, record: None)
         self.telemetry = telemetry or Telemetry()
         self.preemption = preemption or PreemptionWatcher()
@@ -91,49 +65,44 @@ class Trainer:
         # communication hook costs a Python call per gradient bucket, ~2% of a small model's CPU step.
         self.timed = cfg.balance == "dynamic" or job.telemetry.debug_slow_factor > 1 or device.type == "cuda"
         self.clock = ComputeClock(device, job.telemetry.debug_slow_factor if slowed else 1.0)
-        self.ddp: torch.nn.Module = self.model
-        if dist.is_initialized():
-            ids = [device.index] if device.type == "cuda" else None
-            self.ddp = DistributedDataParallel(self.model, device_ids=ids)
-            if self.timed:
-                self.clock.install(self.ddp)
+        self.ddp = self._wrapped()
         self.optimizer = build_optimizer(list(self.model.parameters()), job.optim)
         self.scheduler = build_scheduler(self.optimizer, job.optim, cfg.max_steps)
-        capabilities = self._gpu_capabilities() if device.type == "cuda" else []
-        dtype = autocast_dtype(cfg.amp, capabilities)
-        self.autocast: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
-        if dtype is not None:
-            self.autocast = functools.partial(torch.autocast, device_type=device.type, dtype=dtype)
-        if info.is_main:
-            log.info("precision: %s", describe(dtype, capabilities))
-            if warning := emulated_bf16(cfg.amp, capabilities):
-                log.warning("%s", warning)
+        self.flat_schedule = schedule_is_flat(job.optim)
+        self.autocast = job_autocast(cfg.amp, device, info.is_main)
         self.global_batch = task.global_batch_size
         self.balancer = Balancer(
             cfg, info.world_size, self.global_batch // cfg.grad_accum,
-            gpu_names=self._gpu_names() if cfg.balance == "static" and cfg.balance_gpu_weights else [],
+            gpu_names=device_names(device) if cfg.balance == "static" and cfg.balance_gpu_weights else [],
             replay=replay_history(cfg.balance_replay) if cfg.balance == "replay" and cfg.balance_replay else [],
         )
         self.balance_window = StepTimes()
         self.step = 0
         self.samples = 0
         """Global samples trained over the run's whole life (restored from checkpoints)."""
-        self.saved_step = -1  # same on every rank, so the decision to save is collective
-        self.saved: Optional[str] = None
         self.resumed_from: Optional[str] = None
         self.resume_skipped: list[dict[str, Any]] = []
         self.trained_from: Optional[float] = None
         """When the first training step of this attempt began (epoch seconds)."""
+        own = lambda: {"rng": rng_state(device)}  # noqa: E731
+        checkpoints.track(Checkpointed(self.state_dict, own, self._saved_run, cfg.max_steps))
 
-    def _gpu_names(self) -> list[str]:
-        """Every rank's GPU model name as CUDA reports it ("cpu" for a CPU rank); collective."""
-        mine = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
-        return [str(name) for name in collectives.all_gather_objects(mine)]
+    def _wrapped(self) -> torch.nn.Module:
+        """The model as the step runs it: DDP's wrapper in a process group (timed by the compute clock
+        where `timed`), else the model itself."""
+        if not dist.is_initialized():
+            return self.model
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        ddp = DistributedDataParallel(self.model, device_ids=ids)
+        if self.timed:
+            self.clock.install(ddp)
+        return ddp
 
-    def _gpu_capabilities(self) -> list[tuple[int, int]]:
-        """Every rank's CUDA compute capability, so that all ranks choose one precision; collective."""
-        mine = tuple(torch.cuda.get_device_capability(self.device))
-        return [(int(major), int(minor)) for major, minor in collectives.all_gather_objects(mine)]
+    @property
+    def saved(self) -> Optional[str]:
+        """The newest checkpoint published by this attempt (or resumed from)."""
+        published = self.checkpoints.published
+        return None if published is None else str(published)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -167,55 +136,35 @@ class Trainer:
         found, self.resume_skipped = self.checkpoints.load_latest(map_location="cpu")
         if found is None:
             return False
-        check_same_run(found.meta, self.job, found.path, global_batch=self.global_batch)
+        check_same_run(found.marker, self.job, found.path, global_batch=self.global_batch)
         self.model.load_state_dict(found.shared["model"])
         self.optimizer.load_state_dict(found.shared["optimizer"])
         self.scheduler.load_state_dict(found.shared["scheduler"])
-        self.step = self.saved_step = int(found.shared["step"])
+        self.step = int(found.shared["step"])
         self.samples = int(found.shared.get("samples", self.step * self.global_batch))
         if "balance" in found.shared:
             self.balancer.load_state_dict(found.shared["balance"])
-        saved_world = found.meta.get("world_size", self.info.world_size)
+        saved_world = found.marker.world_size or self.info.world_size
         if found.own:
             set_rng_state(found.own.get("rng", {}), self.device)
         else:
             reseed_rank(self.job.trainer.seed, self.step, self.info.rank)
-        self.resumed_from = self.saved = found.path
+        self.resumed_from = found.path
         log.info("resumed from %s (step %d, saved at world size %s, now %d)",
                  found.path, self.step, saved_world, self.info.world_size)
         return True
 
-    def _meta(self) -> dict[str, Any]:
-        return {"config": self.job.to_dict(), "world_size": self.info.world_size,
-                "global_batch_size": self.global_batch, "samples": self.samples,
-                "balance": {"mode": self.balancer.mode, "history": self.balancer.history}}
+    def _saved_run(self) -> SavedRun:
+        """What the marker says of this run."""
+        balance = SavedBalance(self.balancer.mode, self.balancer.history)
+        return SavedRun(self.job.to_dict(), self.global_batch, self.samples, balance)
 
-    def save(self) -> None:
-        """Collective and synchronous (it first waits for an asynchronous save in flight): every rank
-        writes its part, rank 0 publishes once all are durable.
-
-        Raises CheckpointNotSaved on every rank when any rank failed: nothing was published.
-        """
-        started = time.perf_counter()
+    def _checkpoint(self, stop: bool = False) -> None:
+        """Report the step boundary to the checkpointer, which saves if its policy says so (collective)."""
         self.beat.phase = "checkpoint"
-        self._published(self.checkpoints.wait())
-        own = {"rng": rng_state(self.device)}
-        self.saved = str(self.checkpoints.save(self.step, self.state_dict, own, self._meta()))
-        self.saved_step = self.step
-        self._record_save(False, time.perf_counter() - started)
-
-    def save_async(self) -> None:
-        """Collective: blocks while the state is copied to host memory; the rest runs in the background
-        (`poll` at every step boundary publishes it, or raises its failure on every rank)."""
-        self.beat.phase = "checkpoint"
-        self._published(self.checkpoints.wait())  # the save before it, taken here: `saved` says it
-        self.checkpoints.save_async(self.step, self.state_dict, {"rng": rng_state(self.device)}, self._meta())
-        self.saved_step = self.step
-        self._record_save(True, self.checkpoints.last_blocking_s)
-
-    def _published(self, path: Any) -> None:
-        if path is not None:
-            self.saved = str(path)
+        taken = self.checkpoints.maybe_save(self.step, stop=stop)
+        if taken is not None:
+            self._record_save(taken.background, taken.blocking_s)
 
     def _record_save(self, background: bool, blocking_s: float) -> None:
         record = self.telemetry.step(CheckpointRecord(self.step, round(blocking_s, 6), background))
@@ -237,13 +186,13 @@ class Trainer:
         micro_rows, count, offset = self.balancer.micro_batch, plan.counts[rank], plan.offset(rank)
         weight = plan.weight(rank, self.global_batch)
         start = time.perf_counter()
-        beat = self.beat
+        beat, timed = self.beat, self.timed
         for micro, sync in self._micro_steps():
             beat.phase = "data"
             fetch = time.perf_counter()
-            if self.timed:
+            if timed:
                 self.clock.start()
-            if micro == 0:
+            if micro == 0 and self.telemetry.slow_s:
                 self.telemetry.before_step()
             first = micro * micro_rows + offset
             batch = self.task.train_batch(self.step, first, first + count, self.device)
@@ -257,15 +206,15 @@ class Trainer:
                         loss = loss * weight
                 times.local_s += time.perf_counter() - fetch
                 loss.backward()
-            if self.timed:
+            if timed:
                 self.clock.end()  # after the all-reduce hook already marked it, on a synced micro-batch: no-op
-            # summed on the device, read once per log line: no host sync on every step
-            times.loss_sum = times.loss_sum + loss.detach()
+            times.losses.append(loss.detach())  # read once per log line: no host sync, no op on every step
         beat.phase = "optimizer"
         if self.job.trainer.grad_clip is not None:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.job.trainer.grad_clip)
         self.optimizer.step()
-        self.scheduler.step()
+        if not self.flat_schedule:  # a flat schedule's step would only count
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         beat.step = self.step
@@ -280,37 +229,24 @@ class Trainer:
         """Train to max_steps (resuming if possible); returns the result record (same on all ranks)."""
         cfg = self.job.trainer
         wall_start = time.perf_counter()
-        resumed = self.restore()
+        resumed = self.restore()  # before the plan's start: it starts from the resumed step
         self._write(self.balancer.start(self.step, resumed))
-        times = StepTimes()
-        window_start = time.perf_counter()
-        train_s, start_samples = 0.0, self.samples
+        start_step, start_samples = self.step, self.samples
+        times, train_s, stopped = StepTimes(), 0.0, False
         evals: dict[str, float] = {}
-        start_step, stopped = self.step, False
-        self.ddp.train()
-        self.trained_from = time.time()
-        self.beat.step = self.beat.start_step = self.step
-        self.beat.trained_from = self.trained_from
+        self._begin()
+        replaying, window_start = self.balancer.mode == "replay", time.perf_counter()
         while self.step < cfg.max_steps:
-            self._write(self.balancer.replay_at(self.step))
+            if replaying:
+                self._write(self.balancer.replay_at(self.step))
             self.train_step(times)
             if cfg.log_every and (self.step % cfg.log_every == 0 or self.step == cfg.max_steps):
                 elapsed = time.perf_counter() - window_start
                 train_s += elapsed
                 self._log_window(times, elapsed)
                 times.reset()
-            if self.balancer.mode == "dynamic" and self.step % cfg.balance_every == 0 and self.step < cfg.max_steps:
-                self._rebalance(times)
-            if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < cfg.max_steps:
-                evals = self._evaluate()
-            if self.checkpoints.in_flight is not None:
-                self.beat.phase = "checkpoint"
-                self._published(self.checkpoints.poll())
-            if self.checkpoints.should_save(self.step, cfg.max_steps):
-                if self.job.checkpoint.background and self.step < cfg.max_steps:
-                    self.save_async()
-                else:
-                    self.save()
+            evals = self._between_steps(times) or evals
+            self._checkpoint()
             if times.steps == 0:
                 window_start = time.perf_counter()
             # All ranks check at the same steps and agree, so all stop after this same step; not after
@@ -322,9 +258,30 @@ class Trainer:
             train_s += time.perf_counter() - window_start
         if not stopped:
             evals = self._evaluate()
-        self._published(self.checkpoints.wait())
-        if self.saved_step != self.step:
-            self.save()
+        self._checkpoint(stop=stopped)  # a stop's save, synchronous; after the last step, none is due
+        return self._result(stopped, start_step, start_samples, evals, train_s, time.perf_counter() - wall_start)
+
+    def _begin(self) -> None:
+        """The first training step of this attempt is next."""
+        self.ddp.train()
+        self.trained_from = time.time()
+        self.beat.step = self.beat.start_step = self.step
+        self.beat.trained_from = self.trained_from
+
+    def _between_steps(self, times: StepTimes) -> dict[str, float]:
+        """A dynamic plan's update and the periodic eval, at the steps they are due (not after the last);
+        the eval's metrics, if it ran."""
+        cfg, step = self.job.trainer, self.step
+        if step >= cfg.max_steps:
+            return {}
+        if self.balancer.mode == "dynamic" and step % cfg.balance_every == 0:
+            self._rebalance(times)
+        return self._evaluate() if cfg.eval_every and step % cfg.eval_every == 0 else {}
+
+    def _result(
+        self, stopped: bool, start_step: int, start_samples: int, evals: dict[str, float], train_s: float, wall_s: float
+    ) -> dict[str, Any]:
+        """The attempt's result record (the same on every rank)."""
         return {
             "status": "preempted" if stopped else "completed",
             "start_step": start_step,
@@ -334,7 +291,7 @@ class Trainer:
             "samples": self.samples,
             **evals,
             "samples_per_s": round((self.samples - start_samples) / train_s, 2) if train_s > 0 else None,
-            "wall_s": round(time.perf_counter() - wall_start, 3),
+            "wall_s": round(wall_s, 3),
             "param_digest": param_digest(self.model),
             "resumed_from": self.resumed_from,
             "resume_skipped": self.resume_skipped,
@@ -380,7 +337,7 @@ class Trainer:
         # for the others that the host clock there holds
         local_s = times.compute_s if self.timed else times.local_s
         mine = torch.tensor(
-            [times.step_s, times.data_s, float(times.loss_sum), local_s, per_sample * times.steps]
+            [times.step_s, times.data_s, times.loss_sum(), local_s, per_sample * times.steps]
         ) / times.steps
         self.beat.phase = "collective"
         table = collectives.all_gather_rows(mine)  # world size x 5, on the CPU whatever the backend

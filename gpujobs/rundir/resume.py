@@ -12,14 +12,13 @@ global batch size only. What must stay is the global batch, whether the config s
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any, Optional
 
 from gpujobs.base.errors import GpujobsError
 from gpujobs.config.load import JobConfig
-from gpujobs.rundir import CHECKPOINT_DIR, MARKER, STEP_PREFIX
+from gpujobs.rundir.marker import Marker, newest_marker
 
 log = logging.getLogger(__name__)
 
@@ -76,19 +75,19 @@ def differences(saved: dict[str, Any], current: dict[str, Any], skip: tuple[str,
     return changed
 
 
-def check_same_run(meta: dict[str, Any], job: JobConfig, where: str, global_batch: Optional[int] = None) -> None:
-    """Raise ResumeMismatch when the checkpoint described by `meta` (its marker) is of another run.
+def check_same_run(marker: Marker, job: JobConfig, where: str, global_batch: Optional[int] = None) -> None:
+    """Raise ResumeMismatch when the checkpoint of `marker` is of another run.
 
     `global_batch`: the resuming run's samples per step (the job side knows it from its task; the submit
     side derives it from the data config where it can).
     """
-    saved = meta.get("config")
-    if not isinstance(saved, dict):
+    saved = marker.run.config
+    if saved is None:
         return  # a marker of an older gpujobs: nothing to compare
-    saved_batch = meta.get("global_batch_size")
+    saved_batch = marker.run.global_batch_size
     if saved_batch is None:  # an older marker: the world size and the per-rank batch must match as they were
         changed = differences(saved, job.to_dict())
-        saved_world = meta.get("world_size")
+        saved_world = marker.world_size
         if saved_world is not None and saved_world != job.resources.world_size:
             changed.append(f"world size ({saved_world} -> {job.resources.world_size})")
     else:
@@ -106,21 +105,6 @@ def check_same_run(meta: dict[str, Any], job: JobConfig, where: str, global_batc
         )
 
 
-def newest_marker(run_dir: Path) -> Optional[tuple[Path, dict[str, Any]]]:
-    """The newest published checkpoint of `run_dir` and its marker, read without torch (None if none)."""
-    directory = run_dir / CHECKPOINT_DIR
-    if not directory.is_dir():
-        return None
-    for entry in sorted(directory.glob(f"{STEP_PREFIX}*"), reverse=True):
-        try:
-            marker = json.loads((entry / MARKER).read_text())
-        except (OSError, ValueError):
-            continue
-        if isinstance(marker, dict):  # valid JSON of another shape is no marker either
-            return entry, marker
-    return None
-
-
 class NoPlanHistory(GpujobsError):
     """`trainer.balance_replay` names a run dir whose checkpoints record no split-plan history to replay."""
 
@@ -134,9 +118,8 @@ def plan_history(run_dir: Path) -> list[dict[str, Any]]:
     if found is None:
         raise NoPlanHistory("it holds no checkpoint with a plan history")
     path, marker = found
-    balance = marker.get("balance")
-    history = balance.get("history") if isinstance(balance, dict) else None
-    entries = [entry for entry in history if _is_plan(entry)] if isinstance(history, list) else []
+    history = marker.run.balance.history if marker.run.balance is not None else []
+    entries = [entry for entry in history if _is_plan(entry)]
     if not entries:
         raise NoPlanHistory(f"its newest checkpoint {path.name} records no plan history (was it trained with "
                             "trainer.balance=dynamic?)")
@@ -179,12 +162,12 @@ def check_run_dir(job: JobConfig, run_dir: Path) -> None:
     _warn_of_a_new_horizon(marker, job, path)
 
 
-def _warn_of_a_new_horizon(marker: dict[str, Any], job: JobConfig, path: Path) -> None:
+def _warn_of_a_new_horizon(marker: Marker, job: JobConfig, path: Path) -> None:
     """A longer (or shorter) run may resume, but a decaying learning rate is a function of max_steps:
     say that the steps to come follow another schedule than the steps done (no uninterrupted run of
     the new length trained those)."""
-    saved = marker.get("config")
-    trainer = saved.get("trainer") if isinstance(saved, dict) else None
+    saved = marker.run.config
+    trainer = saved.get("trainer") if saved is not None else None
     before = trainer.get("max_steps") if isinstance(trainer, dict) else None
     now = job.trainer.max_steps
     if job.optim.schedule == "constant" or not isinstance(before, int) or before == now:
