@@ -20,14 +20,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Optional
 
 import pytest
 from conftest import missing
 
 from gpujobs.attempt.evidence import NCCL_TRACE_STEM, dump_flight_recorder
 from gpujobs.rundir import HEARTBEAT_DIR
-from gpujobs.rundir.heartbeat import Heartbeat, flight_recorder_request_path, heartbeat_path, read_heartbeat
+from gpujobs.rundir.heartbeat import Beat, Heartbeat, flight_recorder_request_path, heartbeat_path, read_beat
 
 RANK = 1
 DUMP = b"\x80\x04flight recorder of rank 1"  # a pickle's first bytes: moved as bytes, never decoded
@@ -68,10 +67,10 @@ WATCHDOG_PROCESS = """
 import json, os, sys
 from pathlib import Path
 from gpujobs.attempt.evidence import dump_flight_recorder
-from gpujobs.rundir.heartbeat import heartbeat_path, read_heartbeat
+from gpujobs.rundir.heartbeat import heartbeat_path, read_beat
 
 run_dir, out, rank, pipe = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-beats = {rank: read_heartbeat(heartbeat_path(run_dir, rank))}
+beats = {rank: read_beat(heartbeat_path(run_dir, rank))}
 found = dump_flight_recorder(run_dir, out, beats, 0.1)
 print(json.dumps({"found": found, "pipe_seen": os.path.lexists(pipe)}))
 """
@@ -83,12 +82,12 @@ def start_rank(run_dir: Path, node_tmp: Path) -> subprocess.Popen[str]:
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
 
 
-def beat_with_recorder(run_dir: Path, rank: subprocess.Popen[str]) -> dict[str, Any]:
+def beat_with_recorder(run_dir: Path, rank: subprocess.Popen[str]) -> Beat:
     """The rank's heartbeat once it says torch made its pipe."""
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and rank.poll() is None:
-        beat: Optional[dict[str, Any]] = read_heartbeat(heartbeat_path(run_dir, RANK))
-        if beat is not None and beat.get("flight_recorder"):
+        beat = read_beat(heartbeat_path(run_dir, RANK))
+        if beat is not None and beat.flight_recorder:
             return beat
         time.sleep(0.05)
     rank.kill()
@@ -168,7 +167,7 @@ def test_a_dump_is_moved_into_the_evidence_but_a_link_in_its_place_is_not_follow
     secret.write_text("the user's private file\n")
     (beats / f"{NCCL_TRACE_STEM}0").symlink_to(secret)  # planted where rank 0's dump goes
     (beats / f"{NCCL_TRACE_STEM}1").write_bytes(DUMP)
-    found = dump_flight_recorder(run_dir, out, {0: {}, 1: {}}, 0.0)
+    found = dump_flight_recorder(run_dir, out, {r: Beat(r, 0, "node", "host", "run", 0.0) for r in (0, 1)}, 0.0)
     assert found == [1]
     assert (out / f"{NCCL_TRACE_STEM}1").read_bytes() == DUMP
     assert not os.path.lexists(out / f"{NCCL_TRACE_STEM}0")

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from gpujobs.attempt.watchdog import Hang, HangDetector, blame_by_stacks, in_collective
-from gpujobs.rundir.heartbeat import Heartbeat, heartbeat_path, instance, read_heartbeat
+from gpujobs.rundir.heartbeat import Heartbeat, heartbeat_path, instance, read_beat
 
 TIMEOUT_S, SLOW_S = 10.0, 60.0
 
@@ -129,7 +129,7 @@ def test_an_attempt_whose_ranks_all_ended_is_no_hang_until_its_processes_outstay
     watcher = watch(tmp_path, clock)
     ranks.set(1, 7, "compute")
     ranks.beats[0].close()  # writes phase "done"
-    assert read_heartbeat(heartbeat_path(tmp_path, 0))["phase"] == "done"  # type: ignore[index]
+    assert read_beat(heartbeat_path(tmp_path, 0)).phase == "done"  # type: ignore[union-attr]
     assert advance(watcher, clock, ranks, 2, 1) is None  # rank 1 is a moment from done
     ranks.beats[1].close()
     assert advance(watcher, clock, ranks, TIMEOUT_S - 3) is None  # the processes exit within moments...

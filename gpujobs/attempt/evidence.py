@@ -34,7 +34,7 @@ from gpujobs.base.process import alive as alive  # moved down a layer: the heart
 from gpujobs.base.process import process_start as process_start  # moved down a layer: the lease uses it
 from gpujobs.base.process import process_state
 from gpujobs.rundir import HANGS_DIR, HEARTBEAT_DIR
-from gpujobs.rundir.heartbeat import NCCL_PIPE_STEM, STACKS_SIGNAL, flight_recorder_request_path, stacks_path
+from gpujobs.rundir.heartbeat import NCCL_PIPE_STEM, STACKS_SIGNAL, Beat, flight_recorder_request_path, stacks_path
 from gpujobs.rundir.trust import Untrusted, move_own, read_own, write_own
 
 log = logging.getLogger(__name__)
@@ -69,11 +69,10 @@ def stopped(pid: int) -> bool:
     return process_state(pid) in ("T", "t")
 
 
-def local_ranks(ranks: dict[int, dict[str, Any]]) -> dict[int, int]:
+def local_ranks(ranks: dict[int, Beat]) -> dict[int, int]:
     """rank -> pid of the ranks whose heartbeat says they run on this machine, and whose process lives."""
     host = socket.gethostname()
-    return {rank: int(rec["pid"]) for rank, rec in ranks.items()
-            if rec.get("host") == host and isinstance(rec.get("pid"), int) and alive(int(rec["pid"]))}
+    return {rank: beat.pid for rank, beat in ranks.items() if beat.host == host and alive(beat.pid)}
 
 
 def py_spy_dump(pid: int) -> Optional[str]:
@@ -92,7 +91,7 @@ def py_spy_dump(pid: int) -> Optional[str]:
     return proc.stdout if proc.returncode == 0 and proc.stdout.strip() else None
 
 
-def take_stacks(run_dir: Path, out: Path, ranks: dict[int, dict[str, Any]],
+def take_stacks(run_dir: Path, out: Path, ranks: dict[int, Beat],
                 signal_remote: Optional[Callable[[], None]] = None) -> dict[int, str]:
     """Every rank's stacks into `out/rank_<N>.txt`; returns rank -> how they were taken.
 
@@ -171,13 +170,13 @@ def _stacks_of_stopped(written: Path, pid: int, others: list[int]) -> None:
                 os.kill(other, signal.SIGCONT)
 
 
-def dump_flight_recorder(run_dir: Path, out: Path, ranks: dict[int, dict[str, Any]],
+def dump_flight_recorder(run_dir: Path, out: Path, ranks: dict[int, Beat],
                          beat_interval_s: float) -> list[int]:
     """Ask the flight recorder of every rank whose heartbeat (in `ranks`) says it has one (NCCL's; gloo has
     none) for a dump, and move the dumps into `out`; returns the ranks that wrote one. The request is a file
     that each rank's heartbeat thread relays on its next beat (every `beat_interval_s`), from any node."""
     asked = []
-    for rank in sorted(rank for rank, beat in ranks.items() if beat.get("flight_recorder")):
+    for rank in sorted(rank for rank, beat in ranks.items() if beat.flight_recorder):
         with contextlib.suppress(OSError):  # a full disk: that rank is not asked
             write_own(flight_recorder_request_path(run_dir, rank), "dump\n")
             asked.append(rank)

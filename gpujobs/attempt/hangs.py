@@ -22,6 +22,7 @@ from gpujobs.attempt import evidence
 from gpujobs.attempt.watchdog import Hang, HangDetector, blame_by_stacks
 from gpujobs.config.load import JobConfig
 from gpujobs.rundir.heartbeat import interval_for, remove_dead_pipe_dirs
+from gpujobs.rundir.lines import to_line
 from gpujobs.rundir.trust import own_dir, write_own
 
 log = logging.getLogger(__name__)
@@ -47,10 +48,10 @@ class HangReport:
         """
         beats = list(self.hang.ranks.values())
         progress = {
-            "start": min(float(b["started"]) for b in beats), "start_step": min(int(b["start_step"]) for b in beats),
-            "steps_done": max(int(b["step"]) for b in beats),
+            "start": min(b.started for b in beats), "start_step": min(b.start_step for b in beats),
+            "steps_done": max(b.step for b in beats),
         } if beats else {}
-        began = [float(b["trained_from"]) for b in beats if b.get("trained_from") is not None]
+        began = [b.trained_from for b in beats if b.trained_from is not None]
         if began:
             progress["trained_from"] = min(began)
         return {
@@ -127,7 +128,8 @@ class HangWatchdog:
                     "attempt": self.attempt, "culprit_rank": hang.culprit, "node": hang.node, "why": hang.why,
                     "stalled_s": round(hang.stalled_s, 1), "limit_s": hang.limit_s,
                     "stacks": {str(r): h for r, h in how.items()},
-                    "flight_recorder_ranks": traces, "heartbeats": {str(r): rec for r, rec in hang.ranks.items()},
+                    "flight_recorder_ranks": traces,
+                    "heartbeats": {str(r): to_line(beat) for r, beat in hang.ranks.items()},
                     "supervisor_pid": os.getpid(),
                 })
         except OSError as err:

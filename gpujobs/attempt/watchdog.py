@@ -25,9 +25,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
-from gpujobs.rundir.heartbeat import SLOW_PHASES, WAITING_PHASES, heartbeat_path, interval_for, read_heartbeat
+from gpujobs.rundir.heartbeat import SLOW_PHASES, WAITING_PHASES, Beat, heartbeat_path, interval_for, read_beat
 
 # A rank whose write counter did not move for this many heartbeat intervals (plus slack) is not running.
 _STALL_INTERVALS = 3
@@ -43,7 +43,7 @@ _COLLECTIVE_FRAME = re.compile(
 class RankView:
     """What the watchdog saw of one rank, on its own clock."""
 
-    record: dict[str, Any]
+    record: Beat
     progress_at: float
     """When its (step, phase) last changed."""
     beat_at: float
@@ -51,11 +51,11 @@ class RankView:
 
     @property
     def phase(self) -> str:
-        return str(self.record.get("phase", "?"))
+        return self.record.phase
 
     @property
     def step(self) -> int:
-        return int(self.record.get("step", 0))
+        return self.record.step
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ class Hang:
     culprit: int
     node: Optional[str]
     why: str
-    ranks: dict[int, dict[str, Any]] = field(default_factory=dict)
+    ranks: dict[int, Beat] = field(default_factory=dict)
     """Every rank's last heartbeat record."""
 
     def describe(self) -> str:
@@ -101,16 +101,16 @@ class HangDetector:
         """Read every rank's heartbeat and note what changed."""
         now = self.clock()
         for rank in range(self.world_size):
-            record = read_heartbeat(heartbeat_path(self.run_dir, rank))
-            if record is None or record.get("instance") != self.instance:
+            record = read_beat(heartbeat_path(self.run_dir, rank))
+            if record is None or record.instance != self.instance:
                 continue  # not written yet, or by an earlier attempt
             seen = self.ranks.get(rank)
             if seen is None:
                 self.ranks[rank] = RankView(record, now, now)
                 continue
-            if (record.get("step"), record.get("phase")) != (seen.record.get("step"), seen.record.get("phase")):
+            if (record.step, record.phase) != (seen.record.step, seen.record.phase):
                 seen.progress_at = now
-            if record.get("beats") != seen.record.get("beats"):
+            if record.beats != seen.record.beats:
                 seen.beat_at = now
             seen.record = record
 
@@ -132,7 +132,7 @@ class HangDetector:
         if now - last < limit:
             return None
         culprit, why = self.blame(missing, now)
-        node = self.ranks[culprit].record.get("node") if culprit in self.ranks else None
+        node = self.ranks[culprit].record.node if culprit in self.ranks else None
         return Hang(now - last, limit, culprit, node, why, {r: v.record for r, v in sorted(self.ranks.items())})
 
     def _after_end(self, ended: list[int], now: float) -> Optional[Hang]:
@@ -152,7 +152,7 @@ class HangDetector:
             if since < self.hang_timeout_s:
                 return None
             culprit = min(self.ranks)
-            return Hang(since, self.hang_timeout_s, culprit, self.ranks[culprit].record.get("node"),
+            return Hang(since, self.hang_timeout_s, culprit, self.ranks[culprit].record.node,
                         f"and every other rank said done {since:.0f} s ago, yet the attempt's processes did not "
                         "exit (a teardown that hangs: the process group's, a background save's)",
                         {r: v.record for r, v in sorted(self.ranks.items())})
@@ -171,7 +171,7 @@ class HangDetector:
             culprit = min(left)
             why = (f"did not end {since:.0f} s after ranks {ended} did (phase {left[culprit].phase}, step "
                    f"{left[culprit].step})")
-        node = self.ranks[culprit].record.get("node") if culprit in self.ranks else None
+        node = self.ranks[culprit].record.node if culprit in self.ranks else None
         last = max(view.progress_at for view in self.ranks.values())
         return Hang(now - last, limit, culprit, node, why, {r: v.record for r, v in sorted(self.ranks.items())})
 
@@ -224,7 +224,7 @@ def blame_by_stacks(hang: Hang, stacks: dict[int, str]) -> Hang:
     inside = sorted(rank for rank, text in stacks.items() if text.strip() and in_collective(text))
     if len(outside) == 1 and inside:
         rank = outside[0]
-        node = hang.ranks.get(rank, {}).get("node")
+        node = hang.ranks[rank].node if rank in hang.ranks else None
         return Hang(hang.stalled_s, hang.limit_s, rank, node,
                     f"is not in a collective while ranks {inside} are (see its stack)", hang.ranks)
     return hang

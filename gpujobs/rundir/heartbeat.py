@@ -38,7 +38,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Optional
+from typing import IO, Optional
 
 from gpujobs.base.process import alive
 from gpujobs.rundir import HEARTBEAT_DIR
@@ -273,10 +273,3 @@ def read_beat(path: Path) -> Optional[Beat]:
     except (OSError, ValueError):
         return None
     return from_line(Beat, value)
-
-
-def read_heartbeat(path: Path) -> Optional[dict[str, Any]]:
-    """`read_beat` as the JSON object the file holds (every field, checked), for what keeps the heartbeats
-    as evidence (hang.json)."""
-    beat = read_beat(path)
-    return None if beat is None else to_line(beat)
