@@ -83,12 +83,16 @@ def main() -> None:
             manager = CheckpointManager(Path(tmp) / f"ck{size}", every_steps=1, keep=1)
             background = CheckpointManager(Path(tmp) / f"async{size}", every_steps=1, keep=1, background=True)
             for step in range(1, args.rounds + 1):
+                # Every measurement starts with no dirty pages of another's: `torch.save` without fsync
+                # leaves a GB for the kernel to write back, which whatever runs next would pay for.
+                os.sync()
                 start = time.perf_counter()
                 manager.save(step, shared, {"rng": torch.get_rng_state()})
                 times["gpujobs"].append(time.perf_counter() - start)
 
                 for kind in ("torch_save_fsync", "torch_save"):
                     plain = Path(tmp) / f"{kind}{size}_{step}.pt"
+                    os.sync()
                     start = time.perf_counter()
                     with open(plain, "wb") as handle:
                         torch.save(state, handle)
@@ -98,6 +102,7 @@ def main() -> None:
                     Path(tmp, f"{kind}{size}_{step - 1}.pt").unlink(missing_ok=True)
                     times[kind].append(time.perf_counter() - start)
 
+                os.sync()
                 start = time.perf_counter()
                 background.save_async(step, shared, {"rng": torch.get_rng_state()})
                 times["async_blocking"].append(background.last_blocking_s)
