@@ -18,7 +18,7 @@ import pytest
 from conftest import SLOW, read_result, slurm_job_id, submit
 from jobctl import RunningJob, attempts, slurm_rank_pids
 
-from gpujobs.attempt.evidence import alive
+from gpujobs.base.process import alive
 
 HANG_TIMEOUT_S = 8
 HANG = (*SLOW, f"trainer.hang_timeout_s={HANG_TIMEOUT_S}", "cluster.max_restarts=1")

@@ -18,7 +18,8 @@ import pytest
 from conftest import SLOW, read_result, submit
 from jobctl import RunningJob, attempts
 
-from gpujobs.attempt.evidence import alive, descendants
+from gpujobs.attempt.evidence import descendants
+from gpujobs.base.process import alive
 
 STOPPABLE = Path(__file__).parent / "scripts" / "stoppable.py"
 

@@ -30,9 +30,7 @@ from stat import S_ISREG
 from typing import Any, Optional
 
 from gpujobs.base.atomic import write_json_atomic
-from gpujobs.base.process import alive as alive  # moved down a layer: the heartbeat uses it
-from gpujobs.base.process import process_start as process_start  # moved down a layer: the lease uses it
-from gpujobs.base.process import process_state
+from gpujobs.base.process import alive, process_state
 from gpujobs.rundir import HANGS_DIR, HEARTBEAT_DIR
 from gpujobs.rundir.heartbeat import NCCL_PIPE_STEM, STACKS_SIGNAL, Beat, flight_recorder_request_path, stacks_path
 from gpujobs.rundir.trust import Untrusted, move_own, read_own, write_own

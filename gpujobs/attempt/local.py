@@ -18,13 +18,14 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, Optional
 
 from gpujobs.attempt import failures
-from gpujobs.attempt.evidence import descendants, kill_tree, process_start
+from gpujobs.attempt.evidence import descendants, kill_tree
 from gpujobs.attempt.file_sd import withdraw_left_target
 from gpujobs.attempt.hangs import HangReport, HangWatchdog
 from gpujobs.attempt.judge import AttemptEnd, Verdict, judge, record_or_say, record_verdict
 from gpujobs.attempt.program import FROM_RUN_DIR, RankProgram
 from gpujobs.backends.follow import JobFollower
 from gpujobs.backends.jobenv import free_port
+from gpujobs.base.process import process_start
 from gpujobs.config.load import JobConfig
 from gpujobs.config.nccl import GLOO_ON_CUDA_ENV
 from gpujobs.rundir.attempts import AttemptLog

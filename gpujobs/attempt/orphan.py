@@ -18,7 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-from gpujobs.attempt.evidence import alive, descendants, kill_tree, process_start
+from gpujobs.attempt.evidence import descendants, kill_tree
+from gpujobs.base.process import alive, process_start
 
 if TYPE_CHECKING:
     from gpujobs.config.load import JobConfig
