@@ -81,7 +81,7 @@ STOPPABLE = Path(__file__).parent / "scripts" / "stoppable.py"
 def _wait_for_progress(run_dir: Path, step: int, timeout: float = 60) -> None:
     state = run_dir / "progress_rank0.json"
     deadline = time.monotonic() + timeout
-    while not (state.exists() and state.read_text() and json.loads(state.read_text())["step"] >= step):
+    while not (state.exists() and json.loads(state.read_text())["step"] >= step):
         assert time.monotonic() < deadline, "the script never got going"
         time.sleep(0.05)
 

@@ -27,6 +27,8 @@ total = int(sys.argv[2]) if rank == "0" and len(sys.argv) > 2 else int(sys.argv[
 while done < total and not stop:
     time.sleep(0.05)
     done += 1
-    state.write_text(json.dumps({"step": done}))
+    partial = state.with_suffix(".tmp")  # readers never see a half-written count
+    partial.write_text(json.dumps({"step": done}))
+    os.replace(partial, state)
 with open(run / f"exits_rank{rank}.txt", "a") as log:
     log.write(f"{'stopped' if stop else 'finished'} at {done}\n")
