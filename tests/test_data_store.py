@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import tracemalloc
 from pathlib import Path
 from typing import Any
@@ -135,6 +136,15 @@ def test_rows_outside_the_split_are_refused(store: Path, rows: list[int]) -> Non
         reader.span("train", 90, 101)
     with pytest.raises(ValueError, match="split 'test'"):
         reader.take("test", np.array([0]))
+
+
+def test_a_store_sent_to_another_process_maps_its_files_there(store: Path) -> None:
+    reader = SampleStore.open(store, PARSER, SETTINGS)
+    before = reader.take("train", np.array([5, 70]))
+    sent = pickle.dumps(reader)
+    assert len(sent) == len(pickle.dumps(SampleStore.open(store, PARSER, SETTINGS)))  # no mapped rows copied
+    copy = pickle.loads(sent)
+    assert all(np.array_equal(copy.take("train", np.array([5, 70]))[k], v) for k, v in before.items())
 
 
 def test_a_shard_is_mapped_only_when_its_rows_are_read(store: Path) -> None:
