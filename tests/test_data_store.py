@@ -199,7 +199,9 @@ def _refusal(store: Path, parser: str = PARSER, settings: dict[str, Any] = SETTI
 
 
 def test_a_missing_store_is_refused(tmp_path: Path) -> None:
-    assert "no such directory" in _refusal(tmp_path / "nowhere")
+    assert _refusal(tmp_path / "nowhere").endswith("no such directory: run gpujobs prepare with the same config")
+    (tmp_path / "file").write_text("")
+    assert "is not a directory" in _refusal(tmp_path / "file")
 
 
 def test_an_unfinished_store_is_refused(store: Path) -> None:
