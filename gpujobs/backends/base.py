@@ -147,5 +147,11 @@ class Scheduler(Backend):
         """Keep the requeued job off `nodes` (its whole exclude list from now on); None once done, else why not."""
 
     @abstractmethod
+    def queue_prepare(self, job: JobConfig, store: Path, logs: Path, tasks: int, at_once: Optional[int]) -> str:
+        """Queue a store's prepare as ONE job array of `tasks` tasks, at most `at_once` running together (None:
+        no limit), task i running `python -m gpujobs.data.array_task STORE --index i`, its logs in `logs`; the
+        array's id."""
+
+    @abstractmethod
     def allocations(self, job_ids: Sequence[str], timeout_s: float) -> dict[str, list[Allocation]]:
         """Every instance of every job of `job_ids` that held an allocation, oldest first (accounting)."""

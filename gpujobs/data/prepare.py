@@ -206,16 +206,15 @@ def finish_prepare(plan: PreparePlan, records: Sequence[ShardRecord]) -> Manifes
     return manifest
 
 
-def prepare_store(plan: PreparePlan, workers: int = 1, log: Callable[[str], None] = print) -> Manifest:
+def prepare_store(plan: PreparePlan, workers: int = 1, log: Callable[[str], None] = print,
+                  under_lock: Callable[[], None] = lambda: None) -> Manifest:
     """Prepare every shard of `plan` that is missing or whose input changed, `workers` processes at a time,
-    then write the manifest; return it. A second prepare of the same store meanwhile is refused."""
-    _check_plan(plan, workers)
-    try:
-        plan.store.mkdir(parents=True, exist_ok=True)
-        os.close(os.open(StoreLayout(plan.store).lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644))
-    except OSError as err:
-        raise StoreError(plan.store, f"cannot be written here ({err.strerror}): choose a writable directory") from None
+    then write the manifest; return it. A second prepare of the same store meanwhile is refused (and
+    whatever `under_lock` refuses, asked first under the lock: a prepare queued elsewhere)."""
+    check_plan(plan, workers)
+    make_store(plan.store)
     with prepare_lock(plan.store):
+        under_lock()
         todo = start_prepare(plan, log)
         done = _run_shards(plan, todo, workers, log)
         records = [done.get((split, index)) or prepare_shard(plan, split, index) for split, index in plan.shards()]
@@ -225,7 +224,17 @@ def prepare_store(plan: PreparePlan, workers: int = 1, log: Callable[[str], None
     return manifest
 
 
-def _check_plan(plan: PreparePlan, workers: int) -> None:
+def make_store(store: Path) -> None:
+    """The store's directory and its lock file, made if missing; StoreError when they cannot be."""
+    try:
+        store.mkdir(parents=True, exist_ok=True)
+        os.close(os.open(StoreLayout(store).lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644))
+    except OSError as err:
+        raise StoreError(store, f"cannot be written here ({err.strerror}): choose a writable directory") from None
+
+
+def check_plan(plan: PreparePlan, workers: int) -> None:
+    """Refuse a plan no prepare could carry out (ConfigError naming the key)."""
     if plan.bad_lines not in BAD_LINES:
         raise ConfigError("data.bad_lines", plan.bad_lines, " or ".join(BAD_LINES))
     if workers < 1:

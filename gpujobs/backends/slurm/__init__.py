@@ -80,5 +80,10 @@ class SlurmBackend(Scheduler):
     def exclude(self, job_id: str, nodes: Sequence[str]) -> Optional[str]:
         return quarantine.exclude(job_id, nodes)
 
+    def queue_prepare(self, job: JobConfig, store: Path, logs: Path, tasks: int, at_once: Optional[int]) -> str:
+        from gpujobs.backends.slurm.prepare_array import queue_prepare
+
+        return queue_prepare(job, store, logs, tasks, at_once)
+
     def allocations(self, job_ids: Sequence[str], timeout_s: float) -> dict[str, list[Allocation]]:
         return sacct.allocations(job_ids, timeout_s)

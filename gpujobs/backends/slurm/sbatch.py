@@ -116,8 +116,9 @@ def job_command(folder: Path, *, run_dir: Optional[Path] = None, points: Optiona
     return " ".join(shlex.quote(arg) for arg in args)
 
 
-@functools.lru_cache(maxsize=1)
-def _template() -> jinja2.Template:
+@functools.cache
+def template(name: str = TEMPLATE) -> jinja2.Template:
+    """The script template `name` of sbatch_templates/ (each value from config goes through its `q` filter)."""
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)),
         trim_blocks=True,
@@ -128,14 +129,14 @@ def _template() -> jinja2.Template:
     )
     env.filters["q"] = lambda value: shlex.quote(str(value))
     try:
-        return env.get_template(TEMPLATE)
+        return env.get_template(name)
     except jinja2.TemplateNotFound:  # $GPUJOBS_SBATCH_TEMPLATES names a directory without it
-        raise ConfigError(TEMPLATE_DIR_ENV, str(TEMPLATE_DIR), f"a directory that holds {TEMPLATE}") from None
+        raise ConfigError(TEMPLATE_DIR_ENV, str(TEMPLATE_DIR), f"a directory that holds {name}") from None
 
 
 def render_sbatch(request: SbatchRequest) -> str:
     """The script's text. Every value from config is shell-quoted."""
-    return _template().render(**dataclasses.asdict(request))
+    return template().render(**dataclasses.asdict(request))
 
 
 def run_dir_script(job: JobConfig, run_dir: Path) -> str:
