@@ -24,6 +24,10 @@ def task(store: Path, index: int) -> subprocess.CompletedProcess[str]:
                           env=driver_env(), capture_output=True, text=True, timeout=60)
 
 
+def two_files(folder: Path) -> dict[str, tuple[Path, ...]]:
+    return {"train": (write_toy_file(folder / "a.tsv", 20, seed=1),), "eval": (write_toy_file(folder / "b.tsv", 5, seed=2),)}
+
+
 def queued(store: Path, splits: dict[str, tuple[Path, ...]], bad_lines: str = "fail") -> int:
     """What the submit side does before it queues the array: the tasks' plan; their number."""
     plan = plan_of(store, splits, bad_lines=bad_lines)
@@ -64,7 +68,7 @@ def test_a_task_on_a_damaged_line_fails_in_one_line_and_leaves_no_manifest(tmp_p
 
 
 def test_a_task_plan_someone_else_could_write_is_not_loaded(tmp_path: Path) -> None:
-    splits = {"train": (write_toy_file(tmp_path / "a.tsv", 20, seed=1),), "eval": (write_toy_file(tmp_path / "b.tsv", 5, seed=2),)}
+    splits = two_files(tmp_path)
     store = tmp_path / "store"
     queued(store, splits)
     os.chmod(tasks_dir(store) / "tasks.pkl", 0o622)
@@ -75,7 +79,7 @@ def test_a_task_plan_someone_else_could_write_is_not_loaded(tmp_path: Path) -> N
 
 
 def test_an_index_outside_the_array_is_refused(tmp_path: Path) -> None:
-    splits = {"train": (write_toy_file(tmp_path / "a.tsv", 20, seed=1),), "eval": (write_toy_file(tmp_path / "b.tsv", 5, seed=2),)}
+    splits = two_files(tmp_path)
     store = tmp_path / "store"
     assert queued(store, splits) == 2
     proc = task(store, 2)
