@@ -25,7 +25,8 @@ def task(store: Path, index: int) -> subprocess.CompletedProcess[str]:
 
 
 def two_files(folder: Path) -> dict[str, tuple[Path, ...]]:
-    return {"train": (write_toy_file(folder / "a.tsv", 20, seed=1),), "eval": (write_toy_file(folder / "b.tsv", 5, seed=2),)}
+    return {"train": (write_toy_file(folder / "a.tsv", 20, seed=1),),
+            "eval": (write_toy_file(folder / "b.tsv", 5, seed=2),)}
 
 
 def queued(store: Path, splits: dict[str, tuple[Path, ...]], bad_lines: str = "fail") -> int:
