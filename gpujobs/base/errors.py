@@ -22,7 +22,7 @@ class ConfigError(GpujobsError, ValueError):
         self.allowed = allowed
         super().__init__(f"{key}={value!r} is invalid: allowed {allowed}")
 
-    def __reduce__(self) -> tuple[type[ConfigError], tuple[str, object, str]]:
+    def __reduce__(self) -> tuple[type[ConfigError], tuple[object, ...]]:
         # rebuilt from its parts, not its message: a worker process's error reaches its parent whole
         return (type(self), (self.key, self.value, self.allowed))
 
