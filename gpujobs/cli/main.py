@@ -1,6 +1,7 @@
 """`gpujobs COMMAND ...`: the one command; each subcommand is one of the `python -m` entry points.
 
 `gpujobs submit ...` is `python -m gpujobs.submit ...` (Hydra's flags and `-m` included),
+`gpujobs prepare ...` is `python -m gpujobs.prepare ...`,
 `gpujobs status|logs|cancel|resubmit|cost ...` is `python -m gpujobs ...`, and `gpujobs report ...` is
 `python -m gpujobs.report ...`: the same arguments, output and exit codes. A later subcommand is one more
 entry in `COMMANDS`. Only the chosen subcommand's module is imported, so `gpujobs --help` stays fast
@@ -34,6 +35,8 @@ class Command:
 
 COMMANDS: dict[str, Command] = {
     "submit": Command("compose and validate a config, then run or queue the job (-m: sweep)", "gpujobs.submit:main"),
+    "prepare": Command("prepare a job's raw input files into its sample store (data.store), once",
+                       "gpujobs.prepare:main"),
     "status": Command("a table of the points: job id, state, attempts, step, metric",
                       "gpujobs.__main__:main", named=True),
     "logs": Command("a rank's log of a point", "gpujobs.__main__:main", named=True),
