@@ -18,7 +18,13 @@ import numpy as np
 
 from gpujobs.data.layout import StoreLayout, shard_name
 from gpujobs.data.manifest import (
-    FORMAT_VERSION, ColumnFile, ColumnSpec, Manifest, ShardRecord, SourceFile, read_manifest,
+    FORMAT_VERSION,
+    ColumnFile,
+    ColumnSpec,
+    Manifest,
+    ShardRecord,
+    SourceFile,
+    read_manifest,
 )
 
 #: Values each categorical feature takes in the generated files (then hashed into data.hash_buckets).

@@ -150,7 +150,8 @@ def test_job_failing_every_attempt_stops_at_its_budget(tmp_path: Path) -> None:
     parser = CriteoConfig(store=str(tmp_path / "store"), hash_buckets=16).parser()
     bad = {"label": np.zeros(64, np.uint8), "dense": np.zeros((64, 13), np.float32),
            "sparse": np.full((64, 26), 17, np.int32)}
-    store_from_arrays(tmp_path / "store", parser.name, parser.settings(), parser.columns(), {"train": [bad], "eval": [bad]})
+    splits = {"train": [bad], "eval": [bad]}
+    store_from_arrays(tmp_path / "store", parser.name, parser.settings(), parser.columns(), splits)
     run_dir = tmp_path / "run"
     proc = submit(
         run_dir, "+experiment=rec", "cluster=local", "data=criteo", "trainer.max_steps=12", "resources.gpus_per_node=0",

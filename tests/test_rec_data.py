@@ -280,7 +280,8 @@ def test_a_store_serves_the_rows_memory_serves(tmp_path: Path) -> None:
         stored_eval = list(from_store.eval_batches(batch_size=7, start=first, stop=last))
         held_eval = list(in_memory.eval_batches(batch_size=7, start=first, stop=last))
         assert [b.num_rows for b in stored_eval] == [b.num_rows for b in held_eval]
-        assert all(torch.equal(a, b) for x, y in zip(stored_eval, held_eval, strict=True) for a, b in zip(x, y))
+        assert all(torch.equal(a, b) for x, y in zip(stored_eval, held_eval, strict=True)
+                   for a, b in zip(x, y, strict=True))
 
 
 def test_a_store_with_indices_outside_the_tables_fails_naming_the_store(tmp_path: Path) -> None:
@@ -322,6 +323,12 @@ def test_criteo_files_are_a_list_or_one_string_on_the_command_line() -> None:
                        "data.store=rel/store")
     assert many.data.train_files == ["/d/day_0.gz", "/d/day_?.gz"] and many.data.eval_files == []
     assert many.data.store == str(Path("rel/store").absolute())  # the ranks may start elsewhere
+
+
+def test_the_store_path_is_one_slurm_reads_as_written() -> None:
+    with pytest.raises(ConfigError, match=r"^data\.store='/d/a%j' is invalid: allowed a path without control"):
+        compose_job("+experiment=rec", "cluster=slurm", "data=criteo", "data.store=/d/a%j")
+    assert compose_job("+experiment=rec", "cluster=local", "data=criteo", "data.store=/d/a%j").data.store == "/d/a%j"
 
 
 def test_criteo_prepare_plan_expands_the_globs(tmp_path: Path) -> None:

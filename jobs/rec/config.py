@@ -20,8 +20,9 @@ from gpujobs.base.errors import ConfigError
 from gpujobs.config.validate import Checked, bounds, check_slurm_path, check_text
 
 if TYPE_CHECKING:
-    from gpujobs.config.schema import JobConfig
     from gpujobs.data.prepare import PreparePlan
+
+    from gpujobs.config.schema import JobConfig
     from jobs.rec.criteo_store import CriteoParser
     from jobs.rec.data import FeatureSpec, RecData
     from jobs.rec.model import DLRM
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
 INTERACTIONS = ("dot", "cat")
 BAD_LINES = ("fail", "skip")
 _STORE = bounds(valid=lambda value: bool(value.strip()), allowed="a non-empty directory path")
+_FILES = bounds(valid=lambda value: _is_patterns(value), allowed="a path or glob of input files, or a list of them")
 
 
 def check_global_batch(
@@ -171,12 +173,13 @@ class CriteoConfig(Checked):
 
     _target_: str = "jobs.rec.config.CriteoConfig"
     """Hydra instantiates this schema; the trainer then calls `build`."""
-    train_files: Any = field(default_factory=list)
+    train_files: Any = field(default_factory=list, metadata=_FILES)
     """Training logs to prepare: a list of paths or globs (`'/data/day_*.gz'`), or one as a string."""
-    eval_files: Any = field(default_factory=list)
+    eval_files: Any = field(default_factory=list, metadata=_FILES)
     """Held-out logs to prepare, for AUC and log-loss: a list of paths or globs, or one as a string."""
     store: str = field(metadata=_STORE)
-    """The prepared store's directory (made absolute at submit): `gpujobs prepare` writes it, training reads it."""
+    """The prepared store's directory (made absolute where the config is composed: the ranks may start
+    elsewhere): `gpujobs prepare` writes it, training reads it."""
     bad_lines: str = field(default="fail", metadata=bounds(one_of=BAD_LINES))
     """A damaged input line: "fail" names its file and line; "skip" skips it and counts it in the manifest."""
     hash_buckets: int = field(default=100_000, metadata=bounds(ge=1, lt=2**31 - 1, note="int32 indices"))
@@ -194,7 +197,7 @@ class CriteoConfig(Checked):
         super().__post_init__()
         self.train_files = _patterns("train_files", self.train_files)
         self.eval_files = _patterns("eval_files", self.eval_files)
-        self.store = str(Path(self.store).expanduser().absolute())  # the ranks may start in another directory
+        self.store = str(Path(self.store).expanduser().absolute())
 
     def global_batch(self, world_size: int, micro_batches: int) -> int:
         """Samples per optimizer step: global_batch_size, else batch_size per rank of `world_size`."""
@@ -271,12 +274,16 @@ class CriteoConfig(Checked):
         )
 
 
-def _patterns(key: str, value: Any) -> list[str]:
-    """`train_files`/`eval_files` as a list of paths or globs: one string (as a command line gives it) is one item."""
+def _is_patterns(value: Any) -> bool:
+    """A path or glob (non-empty text), or a list of them: what `train_files`/`eval_files` take."""
     items = [value] if isinstance(value, str) else value
-    allowed = "a path or glob of input files, or a list of them"
-    if not isinstance(items, (list, tuple)) or not all(isinstance(item, str) and item.strip() for item in items):
-        raise ConfigError(key, value, allowed)
-    for item in items:
-        check_text(key, item, f"{allowed}, without control characters")
-    return list(items)
+    return isinstance(items, (list, tuple)) and all(isinstance(item, str) and item.strip() for item in items)
+
+
+def _patterns(key: str, value: str | list[str]) -> list[str]:
+    """`train_files`/`eval_files` (checked by `_is_patterns`) as a list: one string (as a command line gives
+    it) is a list of one."""
+    items = [value] if isinstance(value, str) else list(value)
+    for item in items:  # a field typed Any is not scanned for control characters by the validator
+        check_text(key, item)
+    return items
