@@ -60,8 +60,6 @@ def write_days(folder: Path, name: str, days: int, rows: int, seed: int = 0) -> 
 
 def prepare(store: Path, train: list[Path], eval: list[Path], hash_buckets: int) -> Manifest:
     """The store of these files, prepared by `prepare_store` with the rec job's parser (one worker)."""
-    from gpujobs.data.prepare import PreparePlan, prepare_store  # TEMP until merged
-    from jobs.rec.criteo_store import CriteoParser
     plan = PreparePlan(store=store, splits={"train": tuple(train), "eval": tuple(eval)},
                        parser=CriteoParser(hash_buckets), bad_lines="fail")
     return prepare_store(plan, workers=1, log=lambda line: None)

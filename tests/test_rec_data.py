@@ -8,7 +8,6 @@ import math
 import subprocess
 import sys
 import tracemalloc
-import zlib
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +21,6 @@ from gpujobs.base.errors import ConfigError
 from gpujobs.data.manifest import ColumnSpec
 from gpujobs.data.reader import SampleStore
 from jobs.rec.config import CriteoConfig, DLRMConfig, SyntheticClicksConfig
-from jobs.rec.criteo import CriteoFormatError, read_criteo_tsv
 from jobs.rec.data import FeatureSpec, RecBatch, RecData, StoreRows
 from jobs.rec.metrics import auc, logloss
 from jobs.rec.synthetic import generate_clicks
@@ -197,44 +195,6 @@ def test_synthetic_config_builds_the_global_stream() -> None:
     assert batch.label.shape == (32,) and batch.label.dtype == torch.float32
     assert data.features == FeatureSpec(3, (50, 20, 10))
     assert data.oracle_auc is not None and 0.5 < data.oracle_auc < 1.0
-
-
-# --- Criteo reader ------------------------------------------------------------------------------
-
-
-def _criteo_line(label: str, ints: list[str], cats: list[str]) -> str:
-    return "\t".join([label, *ints, *cats]) + "\n"
-
-
-def test_criteo_reader_transforms_and_hashes(tmp_path: Path) -> None:
-    ints = ["5", "", "-2", *["0"] * 10]
-    cats = ["68fd1e64", "", *["a" * 8] * 24]
-    path = tmp_path / "day.tsv"
-    path.write_text(_criteo_line("1", ints, cats) + _criteo_line("0", [""] * 13, [""] * 26))
-    batch = read_criteo_tsv(path, hash_buckets=1000)
-    assert batch.label.tolist() == [1.0, 0.0]
-    assert batch.dense.shape == (2, 13) and batch.sparse.shape == (2, 26)
-    assert batch.dense[0, :3].tolist() == pytest.approx([math.log1p(5), 0.0, 0.0])
-    assert batch.dense[1].abs().sum() == 0
-    assert batch.sparse[0, 0] == 1 + zlib.crc32(b"68fd1e64") % 1000  # stable across runs, unlike hash()
-    assert batch.sparse[0, 1] == 0  # missing
-    assert (batch.sparse[1] == 0).all()
-
-
-@pytest.mark.parametrize(
-    ("bad_line", "message"),
-    [
-        ("1\t2\t3\n", "expected 40 tab-separated fields"),
-        (_criteo_line("1", ["7", "x1", *["0"] * 11], [""] * 26), "integer feature I2 is 'x1'"),
-        (_criteo_line("yes", ["0"] * 13, [""] * 26), "label 'yes' is not 0 or 1"),
-    ],
-)
-def test_criteo_reader_names_file_and_line_of_a_bad_line(tmp_path: Path, bad_line: str, message: str) -> None:
-    good = _criteo_line("0", ["1"] * 13, ["ab"] * 26)
-    path = tmp_path / "bad.tsv"
-    path.write_text(good + good + bad_line + good)
-    with pytest.raises(CriteoFormatError, match=f"bad.tsv:3: {message}"):
-        read_criteo_tsv(path, hash_buckets=10)
 
 
 # --- from a sample store -------------------------------------------------------------------------

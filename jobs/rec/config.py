@@ -20,9 +20,8 @@ from gpujobs.base.errors import ConfigError
 from gpujobs.config.validate import Checked, bounds, check_slurm_path, check_text
 
 if TYPE_CHECKING:
-    from gpujobs.data.prepare import PreparePlan
-
     from gpujobs.config.schema import JobConfig
+    from gpujobs.data.prepare import PreparePlan
     from jobs.rec.criteo_store import CriteoParser
     from jobs.rec.data import FeatureSpec, RecData
     from jobs.rec.model import DLRM
