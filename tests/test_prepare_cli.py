@@ -149,8 +149,8 @@ sys.exit(code)
     assert first.returncode == 0, first.stdout + first.stderr
     assert "1 worker process," in first.stdout
     final = first.stdout.strip().splitlines()[-1]
-    assert final.startswith(f"gpujobs prepare: store {store} ready: train {2 * DAY_ROWS} rows in 2 shards, "
-                            f"eval {EVAL_ROWS} rows in 1 shards, 0 bad lines skipped ("), first.stdout
+    assert final.startswith("gpujobs prepare: done in ") and final.endswith(
+        f" s: train {2 * DAY_ROWS} rows in 2 shards, eval {EVAL_ROWS} rows in 1 shard, 0 bad lines skipped"), final
     manifest = read_manifest(store)
     assert (manifest.rows("train"), manifest.rows("eval")) == (2 * DAY_ROWS, EVAL_ROWS)
     assert [shard.source.path for shard in manifest.shards] == [
@@ -191,11 +191,20 @@ def test_bad_lines_skip_counts_them_in_the_manifest_and_the_output(days: Path, t
     proc = prepare("+experiment=rec", "data=criteo", f"data.train_files={tmp_path}/bad.tsv",
                    f"data.eval_files={days}/eval_0.tsv.gz", f"data.store={store}", "data.bad_lines=skip", cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "train 58 rows in 1 shards" in proc.stdout and "2 bad lines skipped" in proc.stdout, proc.stdout
+    assert "train 58 rows in 1 shard, eval" in proc.stdout and "2 bad lines skipped" in proc.stdout, proc.stdout
     manifest = read_manifest(store)
     assert [(shard.name, shard.rows, shard.bad_lines) for shard in manifest.shards] == [
         ("train-00000", 58, 2), ("eval-00000", EVAL_ROWS, 0)]
     assert json.loads((store / "manifest.json").read_text())["shards"][0]["bad_lines"] == 2
+
+
+def test_a_store_that_cannot_be_made_is_refused_naming_data_store(days: Path, tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    store = tmp_path / "file" / "store"  # under a file: no directory can be made there
+    proc = prepare(*criteo(days, store), cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert one_line(proc) == (f"gpujobs: config error: data.store='{store}' is invalid: allowed a directory this "
+                              f"user can create and write (Not a directory: {store})")
 
 
 def stop_holding_the_lock(proc: subprocess.Popen[str], lock: Path) -> None:

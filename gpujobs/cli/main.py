@@ -35,8 +35,6 @@ class Command:
 
 COMMANDS: dict[str, Command] = {
     "submit": Command("compose and validate a config, then run or queue the job (-m: sweep)", "gpujobs.submit:main"),
-    "prepare": Command("prepare a job's raw input files into its sample store (data.store), once",
-                       "gpujobs.prepare:main"),
     "status": Command("a table of the points: job id, state, attempts, step, metric",
                       "gpujobs.__main__:main", named=True),
     "logs": Command("a rank's log of a point", "gpujobs.__main__:main", named=True),
@@ -44,6 +42,7 @@ COMMANDS: dict[str, Command] = {
     "resubmit": Command("queue the failed points again, as one new array", "gpujobs.__main__:main", named=True),
     "cost": Command("where the GPU-hours went: per point and in total", "gpujobs.__main__:main", named=True),
     "report": Command("PNG plots of a run and a short text summary", "gpujobs.report:main"),
+    "prepare": Command("prepare raw input files into a sample store (data.store), once", "gpujobs.prepare:main"),
 }
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from gpujobs.base.errors import ConfigError, GpujobsError
+from gpujobs.data.layout import SPLITS
 
 if TYPE_CHECKING:  # the data layer is imported once there is something to prepare
     from gpujobs.config.load import JobConfig
@@ -98,14 +99,17 @@ def say(line: str) -> None:
     print(f"gpujobs prepare: {line}", flush=True)
 
 
-def summary(store: Path, manifest: Manifest, seconds: float) -> str:
-    """The final line: the store, each split's rows and shards, the bad lines skipped, the time taken."""
-    splits = []
-    for split in ("train", "eval"):
-        shards = [shard for shard in manifest.shards if shard.split == split]
-        splits.append(f"{split} {manifest.rows(split)} rows in {len(shards)} shards")
+def count(number: int, noun: str) -> str:
+    """`1 shard`, `3 shards`."""
+    return f"{number} {noun}{'' if number == 1 else 's'}"
+
+
+def summary(manifest: Manifest, seconds: float) -> str:
+    """The final line: each split's rows and shards, the bad lines skipped, the time taken."""
+    splits = [f"{split} {count(manifest.rows(split), 'row')} in "
+              f"{count(sum(shard.split == split for shard in manifest.shards), 'shard')}" for split in SPLITS]
     bad = sum(shard.bad_lines for shard in manifest.shards)
-    return f"store {store} ready: {', '.join(splits)}, {bad} bad lines skipped ({seconds:.1f} s)"
+    return f"done in {seconds:.1f} s: {', '.join(splits)}, {count(bad, 'bad line')} skipped"
 
 
 def prepare(overrides: list[str]) -> int:
@@ -116,12 +120,19 @@ def prepare(overrides: list[str]) -> int:
     from gpujobs.data.prepare import prepare_store  # the data layer, once there is something to prepare
 
     workers = worker_count(job.data, plan)
-    files = {split: len(paths) for split, paths in plan.splits.items()}
-    say(f"{', '.join(f'{count} {split} files' for split, count in files.items())} into {plan.store}, "
-        f"{workers} worker process{'es' if workers != 1 else ''}, bad lines: {plan.bad_lines}")
+    inputs = ", ".join(count(len(paths), f"{split} file") for split, paths in plan.splits.items())
+    say(f"{inputs} into data.store={plan.store}, {workers} worker process{'es' if workers != 1 else ''}, "
+        f"bad lines: {plan.bad_lines}")
     started = time.monotonic()
-    manifest = prepare_store(plan, workers, log=say)
-    say(summary(plan.store, manifest, time.monotonic() - started))
+    try:
+        manifest = prepare_store(plan, workers, log=say)
+    except OSError as err:
+        if err.filename is None or not Path(err.filename).is_relative_to(plan.store):
+            raise
+        # the store's own directory or files: where the user pointed data.store
+        raise ConfigError("data.store", str(plan.store), f"a directory this user can create and write "
+                          f"({err.strerror}: {err.filename})") from None
+    say(summary(manifest, time.monotonic() - started))
     return 0
 
 
