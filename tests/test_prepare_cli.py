@@ -13,6 +13,7 @@ import gzip
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -157,8 +158,9 @@ sys.exit(code)
         str(days / "day_0.tsv"), str(days / "day_1.tsv.gz"), str(days / "eval_0.tsv.gz")]
 
     published, manifest_bytes = shard_files(store), (store / "manifest.json").read_bytes()
-    again = prepare(*criteo(days, store), cwd=tmp_path, module=False)
+    again = prepare(*criteo(days, store), "cluster=slurm", cwd=tmp_path, module=False)
     assert again.returncode == 0, again.stdout + again.stderr
+    assert f"cluster=slurm: prepared here, on {socket.gethostname()}, not as a job of the cluster" in again.stdout
     assert shard_files(store) == published and (store / "manifest.json").read_bytes() == manifest_bytes
 
     run_dir = tmp_path / "run"

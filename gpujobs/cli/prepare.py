@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 import time
 from pathlib import Path
@@ -117,12 +118,16 @@ def prepare(overrides: list[str]) -> int:
     errors and OSError for `main` to put in one line."""
     job, data_option = compose_job(overrides)
     plan = plan_of(job, data_option)
+    from gpujobs.backends import backend_for
     from gpujobs.data.prepare import prepare_store  # the data layer, once there is something to prepare
 
     workers = worker_count(job.data, plan)
     inputs = ", ".join(count(len(paths), f"{split} file") for split, paths in plan.splits.items())
     say(f"{inputs} into data.store={plan.store}, {workers} worker process{'es' if workers != 1 else ''}, "
         f"bad lines: {plan.bad_lines}")
+    if backend_for(job).queues:  # said, not silently done otherwise: the CPUs used are this machine's
+        say(f"cluster={job.cluster.name}: prepared here, on {socket.gethostname()}, not as a job of the cluster "
+            "(a Slurm job array for prepare is not built yet)")
     started = time.monotonic()
     try:
         manifest = prepare_store(plan, workers, log=say)
