@@ -24,8 +24,9 @@ from gpujobs.data.manifest import (
     Manifest,
     ShardRecord,
     SourceFile,
-    read_manifest,
 )
+from gpujobs.data.prepare import PreparePlan, prepare_store
+from jobs.rec.criteo_store import CriteoParser
 
 #: Values each categorical feature takes in the generated files (then hashed into data.hash_buckets).
 VOCABULARY = 40
@@ -63,16 +64,6 @@ def prepare(store: Path, train: list[Path], eval: list[Path], hash_buckets: int)
     plan = PreparePlan(store=store, splits={"train": tuple(train), "eval": tuple(eval)},
                        parser=CriteoParser(hash_buckets), bad_lines="fail")
     return prepare_store(plan, workers=1, log=lambda line: None)
-
-
-def damage_keeping_size_and_time(store: Path, shard: str, column: str, value: bytes) -> None:
-    """Overwrite every byte of a shard's column file with `value`, keeping its size and mtime as prepared:
-    a change that the store's check (sizes and times, never content) cannot see."""
-    (record,) = [s for s in read_manifest(store).shards if s.name == shard]
-    (recorded,) = [c for c in record.columns if c.name == column]
-    path = store / "shards" / shard / f"{column}.bin"
-    path.write_bytes(value * path.stat().st_size)
-    os.utime(path, ns=(recorded.mtime_ns, recorded.mtime_ns))
 
 
 def store_from_arrays(

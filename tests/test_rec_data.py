@@ -18,9 +18,10 @@ from omegaconf import DictConfig, OmegaConf
 from rec_store import store_from_arrays
 
 from gpujobs.base.errors import ConfigError
+from gpujobs.data import prepare
 from gpujobs.data.manifest import ColumnSpec
 from gpujobs.data.reader import SampleStore
-from jobs.rec.config import CriteoConfig, DLRMConfig, SyntheticClicksConfig
+from jobs.rec.config import BAD_LINES, CriteoConfig, DLRMConfig, SyntheticClicksConfig
 from jobs.rec.data import FeatureSpec, RecBatch, RecData, StoreRows
 from jobs.rec.metrics import auc, logloss
 from jobs.rec.synthetic import generate_clicks
@@ -292,6 +293,7 @@ def test_the_store_path_is_one_slurm_reads_as_written() -> None:
 
 
 def test_criteo_prepare_plan_expands_the_globs(tmp_path: Path) -> None:
+    assert BAD_LINES == prepare.BAD_LINES
     for name in ("day_1.gz", "day_0.gz", "eval.tsv"):
         (tmp_path / name).write_text("")
     cfg = CriteoConfig(train_files=str(tmp_path / "day_*.gz"), eval_files=[str(tmp_path / "eval.tsv")],

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import read_result, submit
 from jobctl import RunningJob, attempts
-from rec_store import damage_keeping_size_and_time, prepare, write_days
+from rec_store import prepare, write_days
 
 HASH_BUCKETS = 1000
 
@@ -34,8 +34,9 @@ def run_of(store: Path, *more: str) -> tuple[str, ...]:
     return (
         "+experiment=rec", "cluster=local", "data=criteo", f"data.store={store}", f"data.hash_buckets={HASH_BUCKETS}",
         "data.global_batch_size=128", "resources.gpus_per_node=0", "trainer.max_steps=60", "trainer.log_every=1",
-        "trainer.eval_every=0", "checkpoint.every_steps=10", "trainer.hang_timeout_s=20", "trainer.pg_timeout_s=150",
-        "telemetry.debug_slow_rank=0", "telemetry.debug_slow_ms=40", *more,
+        "trainer.eval_every=0", "checkpoint.every_steps=10", "trainer.hang_timeout_s=20",
+        "trainer.hang_slow_phase_s=120", "trainer.pg_timeout_s=150", "telemetry.debug_slow_rank=0",
+        "telemetry.debug_slow_ms=40", *more,
     )
 
 
@@ -85,17 +86,6 @@ def test_the_global_batch_is_checked_against_the_stores_rows_at_submit(tmp_path:
     assert "data.global_batch_size=4502" in line and "4500 training rows of data.store" in line
 
 
-def test_a_store_damaged_past_its_check_fails_on_the_ranks_in_one_line(tmp_path: Path, store: Path) -> None:
-    """Sizes and times as prepared, content not: the ranks name the store (not an embedding's IndexError)."""
-    copy = tmp_path / "store"
-    shutil.copytree(store, copy)
-    damage_keeping_size_and_time(copy, "train-00000", "sparse", b"\xff")
-    proc = submit(tmp_path / "run", *run_of(copy, "trainer.max_steps=40"), timeout=120)
-    assert proc.returncode == 1, proc.stdout + proc.stderr
-    (line,) = attempts(tmp_path / "run")
-    assert line["reason"] == "failed" and "categorical indices outside" in line["error"], line
-
-
 # --- exact across kills and world sizes -------------------------------------------------------------
 
 
@@ -117,7 +107,7 @@ def test_two_sigkills_then_resume_end_bit_identical(tmp_path: Path, store: Path,
     job.wait_for_step(21)  # logged after checkpoint 20 is complete
     job.signal_rank(1, signal.SIGKILL)
     job.wait_for_step(41)  # the second attempt, resumed at 20, is past checkpoint 40 (and into epoch 1)
-    job.signal_rank(0, signal.SIGKILL)
+    job.signal_rank(1, signal.SIGKILL)
     assert job.wait() == 0, job.output()
     ledger = attempts(run_dir)
     assert [a["reason"] for a in ledger] == ["failed", "failed", "completed"], ledger
