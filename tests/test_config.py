@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 import re
 from typing import Any
 
@@ -295,3 +296,10 @@ def test_an_integer_other_than_0_or_1_is_not_a_bool(override: str) -> None:
     with pytest.raises(ConfigError, match=rf"^{re.escape(key)}={value} is invalid: allowed true or false"):
         compose_job("+experiment=rec", override)
     assert compose_job("+experiment=rec", f"{key}=1").to_dict()[key.split(".")[0]][key.split(".")[1]] is True
+
+
+def test_a_config_error_from_a_worker_process_reaches_its_parent_whole() -> None:
+    """Workers (a prepare's) raise it in another process: pickled, it keeps its key, value and allowed text."""
+    error = pickle.loads(pickle.dumps(ConfigError("data.hash_buckets", 0, "at least 1")))
+    assert (error.key, error.value, error.allowed) == ("data.hash_buckets", 0, "at least 1")
+    assert str(error) == "data.hash_buckets=0 is invalid: allowed at least 1"

@@ -269,6 +269,7 @@ def test_expand_inputs_takes_paths_and_globs(tmp_path: Path, monkeypatch: pytest
     monkeypatch.chdir(tmp_path)
     found = expand_inputs("data.train_files", ["day_*.gz", str(tmp_path / "day_1.gz"), "other.tsv"])
     assert found == tuple(tmp_path / n for n in ("day_1.gz", "day_10.gz", "day_2.gz", "other.tsv"))
+    assert expand_inputs("data.train_files", "day_1*.gz") == (tmp_path / "day_1.gz", tmp_path / "day_10.gz")
 
 
 @pytest.mark.parametrize(("pattern", "allowed"), [("nothing_*.gz", "nothing_*.gz matches nothing"),
@@ -293,3 +294,12 @@ def test_an_unknown_bad_lines_mode_is_refused(tmp_path: Path) -> None:
 def test_the_manifest_reads_back_through_its_record(tmp_path: Path) -> None:
     manifest = prepare_store(plan_of(tmp_path / "store", inputs(tmp_path / "in")), log=lambda _: None)
     assert Manifest.from_json(json.loads(StoreLayout(tmp_path / "store").manifest.read_text())) == manifest
+
+
+def test_a_store_that_cannot_be_written_is_refused_in_one_line(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    store = tmp_path / "file" / "store"
+    with pytest.raises(StoreError) as caught:
+        prepare_store(plan_of(store, inputs(tmp_path / "in")))
+    assert str(caught.value) == f"data.store='{store}': cannot be written here (Not a directory): choose a " \
+                                "writable directory"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import tracemalloc
 from pathlib import Path
 from typing import Any
@@ -137,6 +138,15 @@ def test_rows_outside_the_split_are_refused(store: Path, rows: list[int]) -> Non
         reader.take("test", np.array([0]))
 
 
+def test_a_store_sent_to_another_process_maps_its_files_there(store: Path) -> None:
+    reader = SampleStore.open(store, PARSER, SETTINGS)
+    before = reader.take("train", np.array([5, 70]))
+    sent = pickle.dumps(reader)
+    assert len(sent) == len(pickle.dumps(SampleStore.open(store, PARSER, SETTINGS)))  # no mapped rows copied
+    copy = pickle.loads(sent)
+    assert all(np.array_equal(copy.take("train", np.array([5, 70]))[k], v) for k, v in before.items())
+
+
 def test_a_shard_is_mapped_only_when_its_rows_are_read(store: Path) -> None:
     reader = SampleStore.open(store, PARSER, SETTINGS)
     # gone after open: only a read of that shard's rows would notice
@@ -189,7 +199,9 @@ def _refusal(store: Path, parser: str = PARSER, settings: dict[str, Any] = SETTI
 
 
 def test_a_missing_store_is_refused(tmp_path: Path) -> None:
-    assert "no such directory" in _refusal(tmp_path / "nowhere")
+    assert _refusal(tmp_path / "nowhere").endswith("no such directory: run gpujobs prepare with the same config")
+    (tmp_path / "file").write_text("")
+    assert "is not a directory" in _refusal(tmp_path / "file")
 
 
 def test_an_unfinished_store_is_refused(store: Path) -> None:

@@ -22,6 +22,10 @@ class ConfigError(GpujobsError, ValueError):
         self.allowed = allowed
         super().__init__(f"{key}={value!r} is invalid: allowed {allowed}")
 
+    def __reduce__(self) -> tuple[type[ConfigError], tuple[str, object, str]]:
+        # rebuilt from its parts, not its message: a worker process's error reaches its parent whole
+        return (type(self), (self.key, self.value, self.allowed))
+
     def under(self, prefix: str) -> ConfigError:
         """The same error with its key placed under `prefix` (e.g. "model")."""
         return ConfigError(f"{prefix}.{self.key}", self.value, self.allowed)

@@ -142,7 +142,8 @@ def read_manifest(store: Path) -> Manifest:
     """The manifest of the finished store at `store`, or a StoreError naming data.store and what is wrong."""
     layout = StoreLayout(store)
     if not store.is_dir():
-        raise StoreError(store, "no such directory: run gpujobs prepare with the same config")
+        what = "is not a directory" if store.exists() else "no such directory"
+        raise StoreError(store, f"{what}: run gpujobs prepare with the same config")
     try:
         text = layout.manifest.read_text()
     except FileNotFoundError:

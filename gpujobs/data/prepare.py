@@ -92,6 +92,8 @@ def expand_inputs(key: str, patterns: Sequence[str]) -> tuple[Path, ...]:
 
     A ConfigError naming `key` when a pattern matches nothing or a match is not a regular file.
     """
+    if isinstance(patterns, str):  # one path or glob, as a command line gives it
+        patterns = [patterns]
     found: set[Path] = set()
     for pattern in patterns:
         expanded = os.path.expanduser(pattern)
@@ -170,16 +172,18 @@ def start_prepare(plan: PreparePlan, log: Callable[[str], None] = print) -> tupl
         shutil.rmtree(leftover)
     record = layout.prepared_with
     wanted = plan.prepared_with()
-    if _read_prepared_with(record) != wanted and any(layout.shards.iterdir()):
-        log("data.store: its shards were prepared with another parser or settings: preparing every shard again")
-        for stale in sorted(layout.shards.iterdir()):
-            shutil.rmtree(stale)
-    todo = tuple((split, index) for split, index in plan.shards()
-                 if published_shard(layout, shard_name(split, index), split, plan.splits[split][index],
-                                    plan.parser.columns()) is None)
+    stale = _read_prepared_with(record) != wanted and any(layout.shards.iterdir())
+    todo = plan.shards() if stale else tuple(
+        (split, index) for split, index in plan.shards()
+        if published_shard(layout, shard_name(split, index), split, plan.splits[split][index],
+                           plan.parser.columns()) is None)
     if todo:
         layout.manifest.unlink(missing_ok=True)  # unfinished from now until every shard is there
         fsync_path(plan.store)
+    if stale:
+        log("data.store: its shards were prepared with another parser or settings: preparing every shard again")
+        for shard in sorted(layout.shards.iterdir()):
+            shutil.rmtree(shard)
     with no_room_is_a_store_error(plan.store, record.name):
         write_json_atomic(record, wanted)
     return todo
@@ -206,7 +210,11 @@ def prepare_store(plan: PreparePlan, workers: int = 1, log: Callable[[str], None
     """Prepare every shard of `plan` that is missing or whose input changed, `workers` processes at a time,
     then write the manifest; return it. A second prepare of the same store meanwhile is refused."""
     _check_plan(plan, workers)
-    plan.store.mkdir(parents=True, exist_ok=True)
+    try:
+        plan.store.mkdir(parents=True, exist_ok=True)
+        os.close(os.open(StoreLayout(plan.store).lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644))
+    except OSError as err:
+        raise StoreError(plan.store, f"cannot be written here ({err.strerror}): choose a writable directory") from None
     with prepare_lock(plan.store):
         todo = start_prepare(plan, log)
         done = _run_shards(plan, todo, workers, log)

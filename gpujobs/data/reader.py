@@ -53,6 +53,11 @@ class SampleStore:
         """The store at `store`, checked (`check_store`: a StoreError naming data.store when refused)."""
         return cls(store, check_store(store, parser, settings))
 
+    def __getstate__(self) -> dict[str, Any]:
+        # a copy sent to another process (a data loader's worker) maps the files again there, on first use;
+        # pickled, a map would be its whole column copied
+        return {**self.__dict__, "_maps": {}}
+
     def rows(self, split: str) -> int:
         """The rows of `split`."""
         return self._split(split).rows
