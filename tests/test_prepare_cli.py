@@ -205,8 +205,8 @@ def test_a_store_that_cannot_be_made_is_refused_naming_data_store(days: Path, tm
     store = tmp_path / "file" / "store"  # under a file: no directory can be made there
     proc = prepare(*criteo(days, store), cwd=tmp_path)
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert one_line(proc) == (f"gpujobs: config error: data.store='{store}' is invalid: allowed a directory this "
-                              f"user can create and write (Not a directory: {store})")
+    line = one_line(proc)
+    assert line.startswith(f"gpujobs: config error: data.store='{store}'") and "Not a directory" in line, line
 
 
 def stop_holding_the_lock(proc: subprocess.Popen[str], lock: Path) -> None:

@@ -19,7 +19,6 @@ import os
 import socket
 import sys
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from gpujobs.base.errors import ConfigError, GpujobsError
@@ -129,14 +128,7 @@ def prepare(overrides: list[str]) -> int:
         say(f"cluster={job.cluster.name}: prepared here, on {socket.gethostname()}, not as a job of the cluster "
             "(a Slurm job array for prepare is not built yet)")
     started = time.monotonic()
-    try:
-        manifest = prepare_store(plan, workers, log=say)
-    except OSError as err:
-        if err.filename is None or not Path(err.filename).is_relative_to(plan.store):
-            raise
-        # the store's own directory or files: where the user pointed data.store
-        raise ConfigError("data.store", str(plan.store), f"a directory this user can create and write "
-                          f"({err.strerror}: {err.filename})") from None
+    manifest = prepare_store(plan, workers, log=say)
     say(summary(manifest, time.monotonic() - started))
     return 0
 
