@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from gpujobs.base.errors import ConfigError, GpujobsError
 from gpujobs.data.layout import SPLITS
 
-if TYPE_CHECKING:  # the data layer is imported once there is something to prepare
+if TYPE_CHECKING:  # Hydra, the config loader and the parsers are imported by the commands that use them
     from gpujobs.config.load import JobConfig
     from gpujobs.data.manifest import Manifest
     from gpujobs.data.prepare import PreparePlan
@@ -36,8 +36,8 @@ EXIT_FAILED = 1
 
 USAGE_EPILOG = """\
 Overrides are Hydra's, as for `gpujobs submit`: e.g.
-  gpujobs prepare +experiment=rec data=criteo data.train_files='/data/day_*.gz' \\
-      data.eval_files=/data/day_23.gz data.store=/data/criteo-store
+  gpujobs prepare +experiment=rec data=criteo data.train_files='/data/train/day_*.gz' \\
+      data.eval_files=/data/eval/day_23.gz data.store=/data/criteo-store
 A rerun prepares only the shards that are missing (a killed prepare resumes); then train with
   gpujobs submit +experiment=rec data=criteo ... data.store=/data/criteo-store
 """
