@@ -229,7 +229,8 @@ def test_a_script_argument_may_hold_any_text_but_nul() -> None:
     [
         ("+experiment=rec", "cluster=slurm"),
         ("+experiment=rec", "nccl=infiniband", "+nccl.extra.NCCL_ALGO=Ring", "optim.lr=1", "resources.mem_gb=8"),
-        ("+experiment=rec", "data=criteo", "data.train_path=/d/train.tsv", "data.eval_path=/d/eval.tsv"),
+        ("+experiment=rec", "data=criteo", "data.train_files=[/d/day_0.gz,/d/day_1.gz]", "data.eval_files=/d/e.gz",
+         "data.store=/d/store"),
         ("+experiment=rec", f"+script.path={REPO / 'tests/scripts/torchrun_style.py'}", "+script.args=[--opt,sgd]"),
     ],
 )

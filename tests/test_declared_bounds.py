@@ -21,10 +21,10 @@ from gpujobs.base.errors import ConfigError
 from gpujobs.config.load import load_config
 from gpujobs.config.schema import PLUGINS, SECTIONS, JobConfig, ScriptConfig
 from gpujobs.config.validate import Bounds, allowed_text, declared
-from jobs.rec.config import CriteoTSVConfig, DLRMConfig, SyntheticClicksConfig
+from jobs.rec.config import CriteoConfig, DLRMConfig, SyntheticClicksConfig
 
 BASE = ("+experiment=rec", "cluster=slurm")
-CRITEO = (*BASE, "data=criteo", "data.train_path=/d/train.tsv", "data.eval_path=/d/eval.tsv")
+CRITEO = (*BASE, "data=criteo", "data.train_files=/d/day_*.gz", "data.eval_files=/d/e.gz", "data.store=/d/store")
 SCRIPT = (*BASE, f"+script.path={REPO / 'tests/scripts/torchrun_style.py'}")
 #: (key prefix, schema, the composition that has it); "" is the top level (JobConfig's own fields).
 SCHEMAS: list[tuple[str, type[Any], tuple[str, ...]]] = [
@@ -32,12 +32,12 @@ SCHEMAS: list[tuple[str, type[Any], tuple[str, ...]]] = [
     *((key, schema, BASE) for key, schema in SECTIONS.items()),
     ("model", DLRMConfig, BASE),
     ("data", SyntheticClicksConfig, BASE),
-    ("data", CriteoTSVConfig, CRITEO),
+    ("data", CriteoConfig, CRITEO),
     ("script", ScriptConfig, SCRIPT),
 ]
 #: A value each `valid=` test refuses (a new field declared with `valid=` needs one here).
 INVALID_SAMPLES: dict[str, object] = {
-    "prometheus_addr": "not a host name", "train_path": "  ", "eval_path": "",
+    "prometheus_addr": "not a host name", "store": "  ", "train_files": [" "], "eval_files": 3,
 }
 
 
@@ -174,7 +174,7 @@ def test_allowed_text_reads_as_before(b: Bounds, kind: Any, item: Any, optional:
 
 def test_plugins_are_validated_by_the_same_validator() -> None:
     assert set(PLUGINS) == {"model", "data"}
-    for schema in (DLRMConfig, SyntheticClicksConfig, CriteoTSVConfig):
+    for schema in (DLRMConfig, SyntheticClicksConfig, CriteoConfig):
         assert declared(schema), schema
     with pytest.raises(ConfigError, match=r"^embedding_dim=True is invalid"):
         DLRMConfig(embedding_dim=True)  # bool is an int subclass; a typo, not 1

@@ -99,7 +99,7 @@ def bound_words(bounds: Any) -> list[str]:
 def test_every_declared_bound_is_in_its_keys_entry(config_page: str, tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text("")
-    jobs = [compose_job(*REC), compose_job("+experiment=rec", "data=criteo", "data.train_path=a", "data.eval_path=b",
+    jobs = [compose_job(*REC), compose_job("+experiment=rec", "data=criteo", "data.train_files=a", "data.store=/s",
                                            "logger=[tensorboard,mlflow]", f"+script.path={script}")]
     listed, markdown, checked = entries(config_page), load_generator().markdown, 0
     for key, texts in listed.items():

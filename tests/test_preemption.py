@@ -11,11 +11,14 @@ import signal
 import time
 from pathlib import Path
 
+import numpy as np
 from conftest import SLOW, read_result, submit
 from jobctl import RunningJob, attempts
+from rec_store import store_from_arrays
 
 from gpujobs.attempt.preemption import catch_early
 from gpujobs.rank.stop import PreemptionWatcher
+from jobs.rec.config import CriteoConfig
 
 
 def test_usr2_to_one_rank_stops_all_at_the_same_step_and_loses_nothing(tmp_path: Path, straight_digest: str) -> None:
@@ -142,17 +145,22 @@ def test_dead_rank_does_not_hang_the_others(tmp_path: Path) -> None:
 
 
 def test_job_failing_every_attempt_stops_at_its_budget(tmp_path: Path) -> None:
-    bad = tmp_path / "bad.tsv"
-    bad.write_text("1\t" + "\t".join(["x"] * 39) + "\n")  # a Criteo line whose integer columns are not integers
+    # a store that passes every check at submit (sizes and times as prepared) but whose categorical indices
+    # are not the tables': every attempt fails at its first batch
+    parser = CriteoConfig(store=str(tmp_path / "store"), hash_buckets=16).parser()
+    bad = {"label": np.zeros(64, np.uint8), "dense": np.zeros((64, 13), np.float32),
+           "sparse": np.full((64, 26), 17, np.int32)}
+    splits = {"train": [bad], "eval": [bad]}
+    store_from_arrays(tmp_path / "store", parser.name, parser.settings(), parser.columns(), splits)
     run_dir = tmp_path / "run"
     proc = submit(
-        run_dir, "+experiment=rec", "cluster=local", "data=criteo", "trainer.max_steps=12",
-        f"data.train_path={bad}", f"data.eval_path={bad}", "cluster.max_restarts=2",
+        run_dir, "+experiment=rec", "cluster=local", "data=criteo", "trainer.max_steps=12", "resources.gpus_per_node=0",
+        f"data.store={tmp_path / 'store'}", "data.hash_buckets=16", "data.batch_size=8", "cluster.max_restarts=2",
     )
     assert proc.returncode == 1
     lines = attempts(run_dir)
     assert [line["reason"] for line in lines] == ["failed"] * 3
     assert [line["requeue"] for line in lines] == [True, True, False]
-    assert "CriteoFormatError" in lines[-1]["error"] and "bad.tsv:1" in lines[-1]["error"]
+    assert "categorical indices outside" in lines[-1]["error"] and f"data.store={tmp_path}" in lines[-1]["error"]
     assert "failed budget exhausted" in proc.stdout
     assert proc.stdout.count("restarting from the last checkpoint") == 2

@@ -7,17 +7,22 @@ import itertools
 import math
 import subprocess
 import sys
-import zlib
+import tracemalloc
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from conftest import compose_job
 from omegaconf import DictConfig, OmegaConf
+from rec_store import store_from_arrays
 
 from gpujobs.base.errors import ConfigError
-from jobs.rec.config import CriteoTSVConfig, DLRMConfig, SyntheticClicksConfig
-from jobs.rec.criteo import CriteoFormatError, read_criteo_tsv
-from jobs.rec.data import FeatureSpec, RecBatch, RecData
+from gpujobs.data import prepare
+from gpujobs.data.manifest import ColumnSpec
+from gpujobs.data.reader import SampleStore
+from jobs.rec.config import BAD_LINES, CriteoConfig, DLRMConfig, SyntheticClicksConfig
+from jobs.rec.data import FeatureSpec, RecBatch, RecData, StoreRows
 from jobs.rec.metrics import auc, logloss
 from jobs.rec.synthetic import generate_clicks
 
@@ -47,8 +52,14 @@ def test_config_import_leaves_torch_unimported() -> None:
         (SyntheticClicksConfig, {"ctr": 1.5}, "ctr"),
         (SyntheticClicksConfig, {"seed": -1}, "seed"),
         (SyntheticClicksConfig, {"cardinalities": [10, 10], "num_interactions": 2}, "num_interactions"),
-        (CriteoTSVConfig, {"train_path": "", "eval_path": "e.tsv"}, "train_path"),
-        (CriteoTSVConfig, {"train_path": "t.tsv", "eval_path": "e.tsv", "hash_buckets": 0}, "hash_buckets"),
+        (CriteoConfig, {"store": " "}, "store"),
+        (CriteoConfig, {"store": "/s", "hash_buckets": 0}, "hash_buckets"),
+        (CriteoConfig, {"store": "/s", "hash_buckets": 2**31 - 1}, "hash_buckets"),  # an index must fit int32
+        (CriteoConfig, {"store": "/s", "bad_lines": "ignore"}, "bad_lines"),
+        (CriteoConfig, {"store": "/s", "prepare_workers": 0}, "prepare_workers"),
+        (CriteoConfig, {"store": "/s", "train_files": ["/d/a.gz", " "]}, "train_files"),
+        (CriteoConfig, {"store": "/s", "eval_files": 3}, "eval_files"),
+        (CriteoConfig, {"store": "/s", "eval_files": "/d/a\n.gz"}, "eval_files"),
     ],
 )
 def test_config_rejects_bad_values_naming_the_key(schema: type, kwargs: dict[str, object], key: str) -> None:
@@ -63,7 +74,7 @@ def test_config_rejects_bad_values_naming_the_key(schema: type, kwargs: dict[str
     [
         ("model/dlrm.yaml", DLRMConfig, {}),
         ("data/synthetic.yaml", SyntheticClicksConfig, {}),
-        ("data/criteo.yaml", CriteoTSVConfig, {"train_path": "t.tsv", "eval_path": "e.tsv"}),
+        ("data/criteo.yaml", CriteoConfig, {"store": "/data/store"}),
     ],
 )
 def test_yaml_sets_every_field_to_the_schema_default(yaml_name: str, schema: type, required: dict[str, str]) -> None:
@@ -142,7 +153,7 @@ def test_steps_read_disjoint_rows_that_cover_an_epoch() -> None:
 def test_train_rows_are_a_pure_function_of_seed_and_step() -> None:
     data = _data(16, micro_batches=2)
     expected = _rows(data.train_rows(3, 5, 13))
-    data.train_rows(40, 0, 8)  # another epoch's permutation now sits in the cache
+    data.train_rows(40, 0, 8)  # another epoch first: nothing is kept from one call to the next
     assert _rows(data.train_rows(3, 5, 13)) == expected
     assert _rows(_data(16, micro_batches=2).train_rows(3, 5, 13)) == expected  # as after a restart
     assert _rows(_data(16, micro_batches=2, seed=1).train_rows(3, 5, 13)) != expected
@@ -187,57 +198,137 @@ def test_synthetic_config_builds_the_global_stream() -> None:
     assert data.oracle_auc is not None and 0.5 < data.oracle_auc < 1.0
 
 
-# --- Criteo reader ------------------------------------------------------------------------------
+# --- from a sample store -------------------------------------------------------------------------
+
+STORE_COLUMNS = (ColumnSpec("label", "|u1", 1), ColumnSpec("dense", "<f4", 1), ColumnSpec("sparse", "<i4", 1))
 
 
-def _criteo_line(label: str, ints: list[str], cats: list[str]) -> str:
-    return "\t".join([label, *ints, *cats]) + "\n"
+def _columns(first: int, rows: int) -> dict[str, np.ndarray]:
+    """Rows `first..first + rows` of a log whose dense feature is the row number (as `_numbered`'s)."""
+    numbers = np.arange(first, first + rows)
+    return {"label": (numbers % 3 == 0).astype(np.uint8), "dense": numbers.astype(np.float32),
+            "sparse": (numbers % 5).astype(np.int32)}
 
 
-def test_criteo_reader_transforms_and_hashes(tmp_path: Path) -> None:
-    ints = ["5", "", "-2", *["0"] * 10]
-    cats = ["68fd1e64", "", *["a" * 8] * 24]
-    path = tmp_path / "day.tsv"
-    path.write_text(_criteo_line("1", ints, cats) + _criteo_line("0", [""] * 13, [""] * 26))
-    batch = read_criteo_tsv(path, hash_buckets=1000)
-    assert batch.label.tolist() == [1.0, 0.0]
-    assert batch.dense.shape == (2, 13) and batch.sparse.shape == (2, 26)
-    assert batch.dense[0, :3].tolist() == pytest.approx([math.log1p(5), 0.0, 0.0])
-    assert batch.dense[1].abs().sum() == 0
-    assert batch.sparse[0, 0] == 1 + zlib.crc32(b"68fd1e64") % 1000  # stable across runs, unlike hash()
-    assert batch.sparse[0, 1] == 0  # missing
-    assert (batch.sparse[1] == 0).all()
+def _batch(columns: dict[str, np.ndarray]) -> RecBatch:
+    return RecBatch(torch.from_numpy(columns["dense"]).unsqueeze(1),
+                    torch.from_numpy(columns["sparse"].astype(np.int64)).unsqueeze(1),
+                    torch.from_numpy(columns["label"].astype(np.float32)))
 
 
-@pytest.mark.parametrize(
-    ("bad_line", "message"),
-    [
-        ("1\t2\t3\n", "expected 40 tab-separated fields"),
-        (_criteo_line("1", ["7", "x1", *["0"] * 11], [""] * 26), "integer feature I2 is 'x1'"),
-        (_criteo_line("yes", ["0"] * 13, [""] * 26), "label 'yes' is not 0 or 1"),
-    ],
-)
-def test_criteo_reader_names_file_and_line_of_a_bad_line(tmp_path: Path, bad_line: str, message: str) -> None:
-    good = _criteo_line("0", ["1"] * 13, ["ab"] * 26)
-    path = tmp_path / "bad.tsv"
-    path.write_text(good + good + bad_line + good)
-    with pytest.raises(CriteoFormatError, match=f"bad.tsv:3: {message}"):
-        read_criteo_tsv(path, hash_buckets=10)
+def _store_and_memory(tmp_path: Path, global_batch: int, micro_batches: int) -> tuple[RecData, RecData]:
+    """The same 100 training and 30 eval rows as a store of uneven shards (one empty) and in memory."""
+    train = [_columns(0, 40), _columns(40, 0), _columns(40, 35), _columns(75, 25)]
+    eval = [_columns(0, 10), _columns(10, 20)]
+    store_from_arrays(tmp_path / "store", "toy", {}, STORE_COLUMNS, {"train": train, "eval": eval})
+    store = SampleStore.open(tmp_path / "store", "toy", {})
+    features = FeatureSpec(1, (5,))
+    kwargs = {"global_batch_size": global_batch, "micro_batches": micro_batches, "seed": 7, "oracle_auc": None}
+    in_memory = RecData(features, _batch(_columns(0, 100)), _batch(_columns(0, 30)), **kwargs)  # type: ignore[arg-type]
+    from_store = RecData(features, StoreRows(store, "train", features, "toy"),  # type: ignore[arg-type]
+                         StoreRows(store, "eval", features, "toy"), **kwargs)
+    return from_store, in_memory
 
 
-def test_criteo_config_builds_the_global_stream(tmp_path: Path) -> None:
-    lines = [_criteo_line(str(i % 2), [str(i)] * 13, [f"{i:08x}"] * 26) for i in range(20)]
-    (tmp_path / "train.tsv").write_text("".join(lines))
-    (tmp_path / "eval.tsv").write_text("".join(lines[:5]))
-    cfg = CriteoTSVConfig(
-        train_path=str(tmp_path / "train.tsv"), eval_path=str(tmp_path / "eval.tsv"), hash_buckets=16, batch_size=4
-    )
+def test_a_store_serves_the_rows_memory_serves(tmp_path: Path) -> None:
+    from_store, in_memory = _store_and_memory(tmp_path, global_batch=24, micro_batches=2)  # 4 steps an epoch
+    for step in (0, 3, 4, 9, 1000):
+        for start, stop in ((0, 24), (0, 7), (7, 24), (11, 13), (5, 5)):
+            stored, held = from_store.train_rows(step, start, stop), in_memory.train_rows(step, start, stop)
+            for a, b in zip(stored, held, strict=True):
+                assert a.dtype == b.dtype and torch.equal(a, b), (step, start, stop)
+    for first, last in ((0, None), (5, 27), (10, 10)):
+        stored_eval = list(from_store.eval_batches(batch_size=7, start=first, stop=last))
+        held_eval = list(in_memory.eval_batches(batch_size=7, start=first, stop=last))
+        assert [b.num_rows for b in stored_eval] == [b.num_rows for b in held_eval]
+        assert all(torch.equal(a, b) for x, y in zip(stored_eval, held_eval, strict=True)
+                   for a, b in zip(x, y, strict=True))
+
+
+def test_a_store_with_indices_outside_the_tables_fails_naming_the_store(tmp_path: Path) -> None:
+    """The store's check is sizes and times, not content: a bad index is caught per batch, not in an embedding."""
+    bad = _columns(0, 50)
+    bad["sparse"][17] = 5  # the table has 5 rows
+    store_from_arrays(tmp_path / "store", "toy", {}, STORE_COLUMNS, {"train": [bad], "eval": [_columns(0, 5)]})
+    store, features = SampleStore.open(tmp_path / "store", "toy", {}), FeatureSpec(1, (5,))
+    data = RecData(features, StoreRows(store, "train", features, "/the/store"), StoreRows(store, "eval", features, "x"),
+                   global_batch_size=50, micro_batches=1, seed=0, oracle_auc=None)
+    with pytest.raises(ValueError, match=r"data\.store=/the/store: train rows hold categorical indices outside"):
+        data.train_rows(0, 0, 50)
+
+
+def test_a_billion_row_store_serves_any_step_without_per_row_memory(tmp_path: Path) -> None:
+    """4.4 billion rows (sparse files: no disk): opening and step 10**7 allocate nothing per row."""
+    rows = [1_100_000_000] * 4
+    store_from_arrays(tmp_path / "store", "toy", {}, STORE_COLUMNS, {"train": rows, "eval": [_columns(0, 5)]})
+    features = FeatureSpec(1, (5,))
+    tracemalloc.start()
+    try:
+        store = SampleStore.open(tmp_path / "store", "toy", {})
+        data = RecData(features, StoreRows(store, "train", features, "x"), StoreRows(store, "eval", features, "x"),
+                       global_batch_size=4096, micro_batches=1, seed=3, oracle_auc=None)
+        batch = data.train_rows(10**7, 1024, 2048)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert data.samples_per_epoch == 4_399_996_928 and data.epoch_of(10**7) == 9
+    assert batch.num_rows == 1024
+    assert peak < 2 << 20, f"{peak} bytes allocated"
+
+
+def test_criteo_files_are_a_list_or_one_string_on_the_command_line() -> None:
+    one = compose_job("+experiment=rec", "data=criteo", "data.train_files=/d/day_*.gz", "data.eval_files='/d/e.gz'",
+                      "data.store=/d/store")
+    assert one.data.train_files == ["/d/day_*.gz"] and one.data.eval_files == ["/d/e.gz"]
+    many = compose_job("+experiment=rec", "data=criteo", "data.train_files=[/d/day_0.gz,/d/day_?.gz]",
+                       "data.store=rel/store")
+    assert many.data.train_files == ["/d/day_0.gz", "/d/day_?.gz"] and many.data.eval_files == []
+    assert many.data.store == str(Path("rel/store").absolute())  # the ranks may start elsewhere
+
+
+def test_the_store_path_is_one_slurm_reads_as_written() -> None:
+    with pytest.raises(ConfigError, match=r"^data\.store='/d/a%j' is invalid: allowed a path without control"):
+        compose_job("+experiment=rec", "cluster=slurm", "data=criteo", "data.store=/d/a%j")
+    assert compose_job("+experiment=rec", "cluster=local", "data=criteo", "data.store=/d/a%j").data.store == "/d/a%j"
+
+
+def test_criteo_prepare_plan_expands_the_globs(tmp_path: Path) -> None:
+    assert BAD_LINES == prepare.BAD_LINES
+    for name in ("day_1.gz", "day_0.gz", "eval.tsv"):
+        (tmp_path / name).write_text("")
+    cfg = CriteoConfig(train_files=str(tmp_path / "day_*.gz"), eval_files=[str(tmp_path / "eval.tsv")],
+                       store=str(tmp_path / "store"), hash_buckets=16, bad_lines="skip")
+    plan = cfg.prepare_plan()
+    assert plan.splits == {"train": (tmp_path / "day_0.gz", tmp_path / "day_1.gz"), "eval": (tmp_path / "eval.tsv",)}
+    assert plan.store == tmp_path / "store" and plan.bad_lines == "skip"
+    assert plan.parser.settings() == CriteoConfig(store="/s", hash_buckets=16).parser().settings()
+    with pytest.raises(ConfigError, match=r"^data\.eval_files=\[\] is invalid"):
+        dataclasses.replace(cfg, eval_files=[]).prepare_plan()
+    with pytest.raises(ConfigError) as caught:
+        dataclasses.replace(cfg, train_files=[str(tmp_path / "none_*.gz")]).prepare_plan()
+    assert caught.value.key == "data.train_files"
+
+
+def test_criteo_config_builds_the_global_stream_from_its_store(tmp_path: Path) -> None:
+    cfg = CriteoConfig(store=str(tmp_path / "store"), hash_buckets=16, batch_size=4)
+    parser = cfg.parser()
+    day = {"label": np.arange(20, dtype=np.uint8) % 2, "dense": np.ones((20, 13), dtype=np.float32),
+           "sparse": np.arange(20 * 26, dtype=np.int32).reshape(20, 26) % 17}
+    eval_day = {name: values[:5] for name, values in day.items()}
+    store_from_arrays(tmp_path / "store", parser.name, parser.settings(), parser.columns(),
+                      {"train": [day], "eval": [eval_day]})
     data = cfg.build(world_size=2, micro_batches=1)
     assert data.oracle_auc is None
     assert data.features == FeatureSpec(13, (17,) * 26)
     assert data.samples_per_epoch == 16 and data.num_eval == 5
-    assert data.train_rows(0, 0, 4).sparse.shape == (4, 26)
+    batch = data.train_rows(0, 0, 4)
+    assert batch.sparse.shape == (4, 26) and batch.sparse.dtype == torch.int64
+    assert batch.label.dtype == torch.float32 and set(batch.label.tolist()) <= {0.0, 1.0}
     assert dataclasses.replace(cfg, global_batch_size=6).build(world_size=2, micro_batches=2).micro_batch == 3
+    with pytest.raises(ConfigError, match=r"^data\.batch_size=11 is invalid: allowed at most 10 .*20 training rows"):
+        dataclasses.replace(cfg, batch_size=11).build(world_size=2, micro_batches=1)
+    with pytest.raises(ConfigError, match=r"^data\.store=.*prepared with .*hash_buckets=16, this job has .*=10"):
+        dataclasses.replace(cfg, hash_buckets=10).build(world_size=2, micro_batches=1)
 
 
 # --- metrics ------------------------------------------------------------------------------------

@@ -16,21 +16,23 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from conftest import CONF, compose_job, submit
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
+from rec_store import store_from_arrays
 
 from gpujobs.base.errors import ConfigError
 from gpujobs.config.load import JobConfig, load_config, override_keys
 from gpujobs.config.schema import KEY_ALIASES, SECTIONS
 from gpujobs.config.trackers import TRACKERS
-from jobs.rec.config import CriteoTSVConfig
+from gpujobs.launch import preflight
 
 TINY = ("+experiment=rec", "+debug=tiny", "cluster=local")  # 2 ranks, data.num_train=4096, batch_size=64
 ELASTIC = ("+experiment=rec", "cluster=slurm", "resources.nodes=2", "resources.min_nodes=1")  # 2 to 4 ranks
 SLURM = ("+experiment=rec", "cluster=slurm")  # data.num_train=200000, data.batch_size=256, 2 ranks a node
-CRITEO = ("+experiment=rec", "data=criteo", "data.train_path=/d/train.tsv", "data.eval_path=/d/eval.tsv")
+CRITEO = ("+experiment=rec", "data=criteo", "data.train_files=/d/*.gz", "data.eval_files=/d/e.gz", "data.store=/d/s")
 
 
 @pytest.mark.parametrize(
@@ -123,17 +125,21 @@ def test_a_log_smaller_than_the_world_names_num_train() -> None:
         compose_job(*TINY, "data.num_train=1")
 
 
-def test_criteo_checks_what_config_tells_at_submit_and_its_rows_where_it_reads_them(tmp_path: Path) -> None:
+def test_criteo_checks_what_config_tells_at_load_and_its_stores_rows_at_submit(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"^data\.global_batch_size=4 is invalid: .*grad_accum=3 from 6"):
         compose_job(*CRITEO, "data.global_batch_size=4", "trainer.grad_accum=3")
-    assert compose_job(*CRITEO, "data.batch_size=100000").data.batch_size == 100000  # the file is not read here
-    line = "\t".join(["1", *["0"] * 13, *["ab"] * 26]) + "\n"
-    for name in ("train.tsv", "eval.tsv"):
-        (tmp_path / name).write_text(line * 10)
-    cfg = CriteoTSVConfig(train_path=str(tmp_path / "train.tsv"), eval_path=str(tmp_path / "eval.tsv"), batch_size=6)
-    with pytest.raises(ConfigError, match=r"^data\.batch_size=6 is invalid: allowed at most 5 .*the 10 rows of data"):
-        cfg.build(world_size=2, micro_batches=1)  # job-side: a Criteo day's rows are counted by reading it
-    assert cfg.build(world_size=1, micro_batches=1).global_batch_size == 6
+    # loading reads no store: `gpujobs prepare` composes the same config before the store exists
+    assert compose_job(*CRITEO, "data.batch_size=100000").data.batch_size == 100000
+    local = (*CRITEO, "cluster=local", "resources.gpus_per_node=0", f"data.store={tmp_path / 'store'}",
+             "data.hash_buckets=16")
+    parser = compose_job(*local).data.parser()
+    day = {"label": np.zeros(10, np.uint8), "dense": np.zeros((10, 13), np.float32),
+           "sparse": np.ones((10, 26), np.int32)}
+    splits = {"train": [day], "eval": [day]}
+    store_from_arrays(tmp_path / "store", parser.name, parser.settings(), parser.columns(), splits)
+    with pytest.raises(ConfigError, match=r"^data\.batch_size=6 is invalid: allowed at most 5 .*10 training rows"):
+        preflight(compose_job(*local, "data.batch_size=6"))  # submit reads the rows from the manifest, no data
+    preflight(compose_job(*local, "data.batch_size=5"))
 
 
 @pytest.mark.parametrize(

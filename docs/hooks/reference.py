@@ -196,7 +196,7 @@ def sections(schema: type[Any], prefix: str = "", title: str = "", anchor: str =
         inner, _ = _unwrap(hints[f.name])
         if isinstance(inner, type) and dataclasses.is_dataclass(inner):
             nested.append((inner, key, key, key.replace(".", "-")))
-        elif inner is Any:  # a plug-in: the schemas its config group can select
+        elif inner is Any and not prefix:  # a plug-in (`model`, `data`): the schemas its config group can select
             nested += [(s, key, f"{key}={option}", f"{key}-{option}") for option, s in plugin_schemas(key)]
         else:
             entries.append(Entry(key, f"{anchor}-{name}", type_text(hints[f.name]), default_text(f),

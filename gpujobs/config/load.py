@@ -109,6 +109,8 @@ def _exact(hint: Any, value: Any) -> Any:
         inner = [arg for arg in args if arg is not type(None)]
         return _exact(inner[0], value) if len(inner) == 1 else _NO_FIT
     kind = type(value)
+    if hint is Any:  # a field that takes more than one shape (a list or one string) takes it as it is
+        return _NO_FIT if kind is str and (value == "???" or "${" in value) else value
     if hint in (int, bool):
         return value if kind is hint else _NO_FIT
     if hint is float:

@@ -50,6 +50,9 @@ def preflight(job: JobConfig, cache: Optional[dict[Any, Any]] = None) -> None:
     if job.cluster.dry_run and not backend.renders:
         raise ConfigError("cluster.dry_run", True, NO_SCRIPT)
     job.logger.check_here()  # a tracker's package missing, a log dir that cannot be: refused here, not on the job side
+    check_data = getattr(job.data, "check_here", None) if job.script is None else None  # a script reads no data
+    if check_data is not None:  # e.g. a sample store missing or unfinished: refused here, not after the queue
+        check_data(job)
     _check_replay(job)
     backend.preflight(job, cache)
 

@@ -1,4 +1,4 @@
-"""Config schemas of the rec job: the model and the two data sources.
+"""Config schemas of the rec job: the model and the two data sources (synthetic, a prepared Criteo store).
 
 The submit side imports this module to validate a config before anything is queued, so it must stay
 torch-free: every `build` method imports its implementation lazily. Each field declares its bounds
@@ -11,23 +11,31 @@ calls it, so the global batch is checked at submit, not first inside the ranks.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
 
 from gpujobs.base.errors import ConfigError
-from gpujobs.config.validate import Checked, bounds
+from gpujobs.config.validate import Checked, bounds, check_slurm_path, check_text
 
 if TYPE_CHECKING:
     from gpujobs.config.schema import JobConfig
+    from gpujobs.data.prepare import PreparePlan
+    from jobs.rec.criteo_store import CriteoParser
     from jobs.rec.data import FeatureSpec, RecData
     from jobs.rec.model import DLRM
 
 INTERACTIONS = ("dot", "cat")
-_PATH = bounds(valid=lambda value: bool(value.strip()), allowed="a non-empty file path")
+#: gpujobs.data.prepare.BAD_LINES (a test holds them equal), spelled here: importing the data layer (numpy)
+#: would cost every submit a tenth of a second for two words
+BAD_LINES = ("fail", "skip")
+_STORE = bounds(valid=lambda value: bool(value.strip()), allowed="a non-empty directory path")
+_FILES = bounds(valid=lambda value: _is_patterns(value), allowed="a path or glob of input files, or a list of them")
 
 
 def check_global_batch(
-    data: SyntheticClicksConfig | CriteoTSVConfig, world_size: int, grad_accum: int, rows: Optional[int], source: str
+    data: SyntheticClicksConfig | CriteoConfig, world_size: int, grad_accum: int, rows: Optional[int], source: str
 ) -> None:
     """Refuse a global batch that `RecData` could not serve, naming the key the user set ("data.*").
 
@@ -156,16 +164,26 @@ class SyntheticClicksConfig(Checked):
 
 
 @dataclass(kw_only=True)
-class CriteoTSVConfig(Checked):
-    """Criteo-format TSV files: `label, I1..I13, C1..C26` per line, tab-separated, empty = missing."""
+class CriteoConfig(Checked):
+    """Criteo-format click logs (`label, I1..I13, C1..C26` per line, tab-separated, plain or gzip), read from a
+    sample store prepared once by `gpujobs prepare` with this same config.
 
-    _target_: str = "jobs.rec.config.CriteoTSVConfig"
+    Training opens `store` by memory map and reads only each step's rows: opening it costs the same at any
+    size and memory per rank does not grow with the rows. The input files matter to `gpujobs prepare` only.
+    """
+
+    _target_: str = "jobs.rec.config.CriteoConfig"
     """Hydra instantiates this schema; the trainer then calls `build`."""
-    train_path: str = field(metadata=_PATH)
-    """Training file; every rank reads all of it and trains on its slice of each step."""
-    eval_path: str = field(metadata=_PATH)
-    """Held-out file for AUC and log-loss."""
-    hash_buckets: int = field(default=100_000, metadata=bounds(ge=1))
+    train_files: Any = field(default_factory=list, metadata=_FILES)
+    """Training logs to prepare: a list of paths or globs (`'/data/day_*.gz'`), or one as a string."""
+    eval_files: Any = field(default_factory=list, metadata=_FILES)
+    """Held-out logs to prepare, for AUC and log-loss: a list of paths or globs, or one as a string."""
+    store: str = field(metadata=_STORE)
+    """The prepared store's directory (made absolute where the config is composed: the ranks may start
+    elsewhere): `gpujobs prepare` writes it, training reads it."""
+    bad_lines: str = field(default="fail", metadata=bounds(one_of=BAD_LINES))
+    """A damaged input line: "fail" names its file and line; "skip" skips it and counts it in the manifest."""
+    hash_buckets: int = field(default=100_000, metadata=bounds(ge=1, lt=2**31 - 1, note="int32 indices"))
     """Categorical values are hashed into this many buckets per feature (plus one for "missing")."""
     batch_size: int = field(default=256, metadata=bounds(ge=1))
     """Samples per rank per micro-step at the configured world size (see SyntheticClicksConfig)."""
@@ -173,30 +191,100 @@ class CriteoTSVConfig(Checked):
     """Samples per optimizer step, all ranks together (default: from batch_size)."""
     seed: int = field(default=0, metadata=bounds(ge=0))
     """Seed of the shuffling; independent of the training seed."""
+    prepare_workers: Optional[int] = field(default=None, metadata=bounds(ge=1))
+    """Processes of `gpujobs prepare` on one machine (null: one per input file, at most one per CPU)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.train_files = _patterns("train_files", self.train_files)
+        self.eval_files = _patterns("eval_files", self.eval_files)
+        self.store = str(Path(self.store).expanduser().absolute())
 
     def global_batch(self, world_size: int, micro_batches: int) -> int:
         """Samples per optimizer step: global_batch_size, else batch_size per rank of `world_size`."""
         return self.global_batch_size or self.batch_size * world_size * micro_batches
 
+    def parser(self) -> CriteoParser:
+        """The parser that prepares this config's store (its name and settings are recorded in the manifest)."""
+        from jobs.rec.criteo_store import CriteoParser
+
+        return CriteoParser(self.hash_buckets)
+
     def check_job(self, job: JobConfig) -> None:
-        """Refuse, at submit, a global batch no file could serve (the rows of the file are known only to `build`)."""
+        """Refuse what the config alone tells: a global batch the ranks cannot share, a store path Slurm would
+        misread. The store itself is checked by `check_here` at submit (a prepare composes this config too,
+        before the store exists)."""
+        check_slurm_path("data.store", self.store, slurm=job.cluster.name in ("auto", "slurm"))
         check_global_batch(self, job.resources.world_size, job.trainer.grad_accum, None, "")
 
-    def build(self, world_size: int, micro_batches: int) -> RecData:
-        """Read both files (on every rank) and their global sample stream (see SyntheticClicksConfig.build)."""
-        from jobs.rec.criteo import criteo_features, read_criteo_tsv
-        from jobs.rec.data import RecData
+    def check_here(self, job: JobConfig) -> None:
+        """At submit (`gpujobs.launch.preflight`): the store must be prepared, finished, of this config's
+        hash_buckets and unchanged since (`check_store`, O(shards) stats), and its training rows must serve
+        the global batch (read from the manifest, no data read). StoreError/ConfigError naming data.store.
 
-        train = read_criteo_tsv(self.train_path, self.hash_buckets)
-        # the one batch rule that needs the data: counting a Criteo day's rows at submit would read it whole
-        rows = train.num_rows
-        check_global_batch(self, world_size, micro_batches, rows, f"the {rows} rows of data.train_path")
+        A Slurm job's store may live on storage only the nodes mount: where not even its parent directory
+        is visible here, a line says so and the ranks check it as they open it."""
+        from gpujobs.data.manifest import StoreError, check_store
+
+        store = Path(self.store)
+        if job.cluster.name == "slurm" and not store.parent.is_dir():
+            print(f"gpujobs: data.store={store} is not visible here: the ranks check it as they open it",
+                  file=sys.stderr)
+            return
+        parser = self.parser()
+        manifest = check_store(store, parser.name, parser.settings())
+        if manifest.rows("eval") < 1:
+            raise StoreError(store, "it holds no eval rows: prepare it with data.eval_files")
+        rows = manifest.rows("train")
+        source = f"the {rows} training rows of data.store"
+        check_global_batch(self, job.resources.world_size, job.trainer.grad_accum, rows, source)
+
+    def prepare_plan(self) -> PreparePlan:
+        """What `gpujobs prepare` does: each split's files (globs expanded, sorted) into `store` with the
+        Criteo parser. ConfigError naming data.train_files/eval_files when one lists nothing or matches nothing."""
+        from gpujobs.data.prepare import PreparePlan, expand_inputs
+
+        splits = {}
+        for split, key, patterns in (("train", "data.train_files", self.train_files),
+                                     ("eval", "data.eval_files", self.eval_files)):
+            if not patterns:
+                raise ConfigError(key, patterns, "one or more paths or globs of Criteo-format files to prepare")
+            splits[split] = expand_inputs(key, patterns)
+        return PreparePlan(store=Path(self.store), splits=splits, parser=self.parser(), bad_lines=self.bad_lines)
+
+    def build(self, world_size: int, micro_batches: int) -> RecData:
+        """Open the store (checked as at submit) and its global sample stream (see SyntheticClicksConfig.build):
+        no row is read here, and nothing per row is allocated."""
+        from gpujobs.data.reader import SampleStore
+        from jobs.rec.criteo import criteo_features
+        from jobs.rec.data import RecData, StoreRows
+
+        parser = self.parser()
+        store = SampleStore.open(Path(self.store), parser.name, parser.settings())
+        rows = store.rows("train")  # the batch rule again: a Slurm job's store may not have been visible at submit
+        check_global_batch(self, world_size, micro_batches, rows, f"the {rows} training rows of data.store")
+        features = criteo_features(self.hash_buckets)
         return RecData(
-            criteo_features(self.hash_buckets),
-            train,
-            read_criteo_tsv(self.eval_path, self.hash_buckets),
+            features,
+            StoreRows(store, "train", features, self.store),
+            StoreRows(store, "eval", features, self.store),
             global_batch_size=self.global_batch(world_size, micro_batches),
             micro_batches=micro_batches,
             seed=self.seed,
             oracle_auc=None,
         )
+
+
+def _is_patterns(value: Any) -> bool:
+    """A path or glob (non-empty text), or a list of them: what `train_files`/`eval_files` take."""
+    items = [value] if isinstance(value, str) else value
+    return isinstance(items, (list, tuple)) and all(isinstance(item, str) and item.strip() for item in items)
+
+
+def _patterns(key: str, value: str | list[str]) -> list[str]:
+    """`train_files`/`eval_files` (checked by `_is_patterns`) as a list: one string (as a command line gives
+    it) is a list of one."""
+    items = [value] if isinstance(value, str) else list(value)
+    for item in items:  # a field typed Any is not scanned for control characters by the validator
+        check_text(key, item)
+    return items

@@ -1,28 +1,29 @@
 """Reader of Criteo-format click logs: one sample per line, tab-separated.
 
 Columns: the label (0 or 1), 13 integer features, 26 categorical features (hex strings in the Criteo
-release; any string works). Every field but the label may be empty, meaning missing.
+release; any string works). Every field but the label may be empty, meaning missing. The rules for one
+line live in `jobs.rec.criteo_store`, with the parser that prepares whole files into a sample store.
 """
 
 from __future__ import annotations
 
-import math
 import zlib
 from array import array
 from pathlib import Path
 
 import torch
 
-from gpujobs.base.errors import GpujobsError
+from jobs.rec.criteo_store import (
+    NUM_CATEGORICAL,
+    NUM_INTEGER,
+    CriteoFormatError,
+    integer_feature_value,
+    label_value,
+    split_fields,
+)
 from jobs.rec.data import FeatureSpec, RecBatch
 
-NUM_INTEGER = 13
-NUM_CATEGORICAL = 26
-NUM_COLUMNS = 1 + NUM_INTEGER + NUM_CATEGORICAL
-
-
-class CriteoFormatError(GpujobsError, ValueError):
-    """A line of a Criteo-format file cannot be parsed; the message names the file and line."""
+__all__ = ["CriteoFormatError", "criteo_features", "read_criteo_tsv"]
 
 
 def criteo_features(hash_buckets: int) -> FeatureSpec:
@@ -44,15 +45,10 @@ def read_criteo_tsv(path: str | Path, hash_buckets: int) -> RecBatch:
     sparse = array("q")
     with open(path, encoding="utf-8", newline="\n") as lines:
         for number, line in enumerate(lines, start=1):
-            fields = line.rstrip("\r\n").split("\t")
-            if len(fields) != NUM_COLUMNS:
-                raise CriteoFormatError(
-                    f"{path}:{number}: expected {NUM_COLUMNS} tab-separated fields "
-                    f"(label, {NUM_INTEGER} integer, {NUM_CATEGORICAL} categorical), got {len(fields)}"
-                )
-            labels.append(_label(fields[0], path, number))
+            fields = split_fields(line, path, number)
+            labels.append(label_value(fields[0], path, number))
             for column in range(1, 1 + NUM_INTEGER):
-                dense.append(_integer_feature(fields[column], path, number, column))
+                dense.append(integer_feature_value(fields[column], path, number, column))
             for value in fields[1 + NUM_INTEGER :]:
                 sparse.append(1 + zlib.crc32(value.encode()) % hash_buckets if value else 0)
     if not labels:
@@ -63,19 +59,3 @@ def read_criteo_tsv(path: str | Path, hash_buckets: int) -> RecBatch:
         torch.frombuffer(sparse, dtype=torch.int64).clone().reshape(-1, NUM_CATEGORICAL),
         torch.frombuffer(labels, dtype=torch.float32).clone(),
     )
-
-
-def _label(text: str, path: str | Path, number: int) -> float:
-    if text not in ("0", "1"):
-        raise CriteoFormatError(f"{path}:{number}: label {text!r} is not 0 or 1")
-    return float(text)
-
-
-def _integer_feature(text: str, path: str | Path, number: int, column: int) -> float:
-    if not text:
-        return 0.0
-    try:
-        value = int(text)
-    except ValueError:
-        raise CriteoFormatError(f"{path}:{number}: integer feature I{column} is {text!r}, not an integer") from None
-    return math.log1p(max(value, 0))

@@ -1,28 +1,35 @@
-"""In-memory click data and its global sample stream: the rows of every step, whatever the world size.
+"""Click data and its global sample stream: the rows of every step, whatever the world size.
 
-Where the samples come from (synthetic generator, Criteo files) lives in sibling modules; this one only
-holds them and decides which rows make up each step's global batch (the trainer decides who reads which).
+Where the samples come from (synthetic generator, a prepared Criteo store) lives in sibling modules; this
+one serves a split's rows from memory (`MemoryRows`) or from a memory-mapped sample store (`StoreRows`) and
+decides which rows make up each step's global batch (the trainer decides who reads which).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
+import numpy as np
 import torch
 
 from gpujobs.base.errors import ConfigError
+from gpujobs.data.shuffle import IndexShuffle
 from gpujobs.rank.rng import derive_seed
 
+if TYPE_CHECKING:
+    from gpujobs.data.reader import SampleStore
+
 __all__ = [
-    "GENERATOR_STREAM", "SHUFFLE_STREAM", "FeatureSpec", "RecBatch", "RecData", "derive_seed", "pinned_staging",
+    "GENERATOR_STREAM", "SHUFFLE_STREAM", "FeatureSpec", "MemoryRows", "RecBatch", "RecData", "Rows", "StoreRows",
+    "derive_seed", "pinned_staging",
 ]
 
 GENERATOR_STREAM = 0
 """`derive_seed` stream of the synthetic click log."""
 SHUFFLE_STREAM = 1
-"""`derive_seed` stream of the epoch permutations."""
+"""`derive_seed` stream of the epoch permutations (the keys of `IndexShuffle`)."""
 
 
 @dataclass(frozen=True)
@@ -59,13 +66,31 @@ class RecBatch(NamedTuple):
         return int(self.label.shape[0])
 
 
+class Rows(Protocol):
+    """A split's rows, wherever they live: gathered by row number (training) or in a run (eval)."""
+
+    @property
+    def num_rows(self) -> int:
+        """Rows of the split."""
+        ...
+
+    def gather(self, rows: np.ndarray, pinned: bool) -> RecBatch:
+        """Rows `rows` (int64 row numbers, any order) in that order; into page-locked memory if `pinned`."""
+        ...
+
+    def span(self, start: int, stop: int) -> RecBatch:
+        """Rows `start..stop` in order."""
+        ...
+
+
 class RecData:
-    """Train and eval splits in memory, and the global sample stream: the rows of every optimizer step.
+    """Train and eval splits, and the global sample stream: the rows of every optimizer step.
 
     Step s's global batch is `global_batch_size` rows, made of `micro_batches` global micro-batches of
     `micro_batch` rows each; global micro-batch k = s * micro_batches + m is the k-th run of `micro_batch`
-    rows through the epochs' permutations (epoch e visits the training rows in a permutation seeded by
-    (seed, e); the tail that does not fill a micro-batch is dropped). So the rows of a step are a pure
+    positions through the epochs (the tail that does not fill a micro-batch is dropped), and epoch e maps a
+    position to a training row by the bijection `IndexShuffle(rows, derive_seed(seed, SHUFFLE_STREAM, e))`,
+    computed per position: no permutation of all rows is ever held. So the rows of a step are a pure
     function of (seed, step) and the global batch size, whatever the number of ranks or how they share
     it: ranks read contiguous slices by the trainer's split plan, which makes resume exact at any world size.
     """
@@ -73,8 +98,8 @@ class RecData:
     def __init__(
         self,
         features: FeatureSpec,
-        train: RecBatch,
-        eval: RecBatch,
+        train: RecBatch | Rows,
+        eval: RecBatch | Rows,
         *,
         global_batch_size: int,
         micro_batches: int,
@@ -83,9 +108,9 @@ class RecData:
     ) -> None:
         if micro_batches < 1:
             raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
-        _check_split("train", train, features)
-        _check_split("eval", eval, features)
-        num_train = train.num_rows
+        self._train = _rows_of("train", train, features)
+        self._eval = _rows_of("eval", eval, features)
+        num_train = self._train.num_rows
         if global_batch_size % micro_batches:
             raise ConfigError(
                 "global_batch_size", global_batch_size, f"a multiple of trainer.grad_accum={micro_batches}"
@@ -100,11 +125,7 @@ class RecData:
         self.micro_batches = micro_batches
         self.seed = seed
         self.oracle_auc = oracle_auc
-        self._train = train
-        self._eval = eval
         self._batches_per_epoch = num_train // micro_batch
-        self._cached_epoch = -1
-        self._cached_order = torch.empty(0, dtype=torch.int64)
 
     @property
     def samples_per_epoch(self) -> int:
@@ -122,35 +143,96 @@ class RecData:
 
     def train_rows(self, step: int, start: int, stop: int, pinned: bool = False) -> RecBatch:
         """Rows `start..stop` (0 <= start <= stop <= global_batch_size) of optimizer step `step`'s global batch;
-        gathered straight into page-locked memory if `pinned` (needs CUDA: see `pinned_staging`)."""
+        gathered straight into page-locked memory if `pinned` (needs CUDA: see `pinned_staging`). Only these
+        rows are read."""
         if step < 0 or not 0 <= start <= stop <= self.global_batch_size:
             raise ValueError(f"no rows {start}..{stop} of step {step} (global batch {self.global_batch_size})")
-        parts = []
+        parts = [np.empty(0, dtype=np.int64)]
         row = start
         while row < stop:  # one piece per global micro-batch the slice touches (one, for the trainer)
             micro, inside = divmod(row, self.micro_batch)
             end = min(stop, (micro + 1) * self.micro_batch)
             epoch, position = divmod(step * self.micro_batches + micro, self._batches_per_epoch)
             first = position * self.micro_batch + inside
-            parts.append(self._order(epoch)[first : first + end - row])
+            order = IndexShuffle(self._train.num_rows, derive_seed(self.seed, SHUFFLE_STREAM, epoch))
+            parts.append(order(np.arange(first, first + end - row, dtype=np.int64)))
             row = end
-        rows = parts[0] if len(parts) == 1 else torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
-        return RecBatch(*(_gather(column, rows, pinned) for column in self._train))
+        return self._train.gather(np.concatenate(parts), pinned)
 
-    def eval_batches(self, batch_size: int = 4096) -> Iterator[RecBatch]:
-        """The whole eval split (not sharded) in order, as views of at most `batch_size` rows."""
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        for start in range(0, self._eval.num_rows, batch_size):
-            yield RecBatch(*(t[start : start + batch_size] for t in self._eval))
+    def eval_batches(self, batch_size: int = 4096, start: int = 0, stop: int | None = None) -> Iterator[RecBatch]:
+        """Rows `start..stop` of the eval split (default: all of it) in order, in batches of at most `batch_size`."""
+        stop = self.num_eval if stop is None else stop
+        if batch_size < 1 or not 0 <= start <= stop <= self.num_eval:
+            raise ValueError(f"no eval rows {start}..{stop} in batches of {batch_size} ({self.num_eval} rows)")
+        for first in range(start, stop, batch_size):
+            yield self._eval.span(first, min(stop, first + batch_size))
 
-    def _order(self, epoch: int) -> torch.Tensor:
-        # One permutation per epoch, the same on every rank; recomputed only when the epoch changes.
-        if epoch != self._cached_epoch:
-            generator = torch.Generator().manual_seed(derive_seed(self.seed, SHUFFLE_STREAM, epoch))
-            self._cached_order = torch.randperm(self._train.num_rows, generator=generator)
-            self._cached_epoch = epoch
-        return self._cached_order
+
+class MemoryRows:
+    """A split held in memory as one `RecBatch` (the synthetic log)."""
+
+    def __init__(self, split: RecBatch) -> None:
+        self._split = split
+
+    @property
+    def num_rows(self) -> int:
+        """Rows of the split."""
+        return self._split.num_rows
+
+    def gather(self, rows: np.ndarray, pinned: bool) -> RecBatch:
+        """Rows `rows` in that order, copied out of the split (into pinned memory if `pinned`)."""
+        index = torch.from_numpy(rows)
+        return RecBatch(*(_gather(column, index, pinned) for column in self._split))
+
+    def span(self, start: int, stop: int) -> RecBatch:
+        """Rows `start..stop`, as views of the split."""
+        return RecBatch(*(column[start:stop] for column in self._split))
+
+
+class StoreRows:
+    """A split of a prepared sample store (`gpujobs.data.reader.SampleStore`) with the rec columns `label`
+    (width 1), `dense` (width num_dense) and `sparse` (width one per categorical feature).
+
+    Rows are read from the store's memory maps as they are asked for: memory does not grow with the store.
+    The categorical indices of every batch are checked against the tables (a few comparisons per row):
+    the store is checked by size and time, not content, and a bad index would fail deep in an embedding.
+    """
+
+    def __init__(self, store: SampleStore, split: str, features: FeatureSpec, where: str) -> None:
+        widths = {column.name: column.width for column in store.manifest.columns}
+        expected = {"label": 1, "dense": features.num_dense, "sparse": len(features.cardinalities)}
+        if any(widths.get(name) != width for name, width in expected.items()):
+            raise ValueError(f"data.store={where} holds columns {widths}, the rec job reads {expected}")
+        self._store = store
+        self._split = split
+        self._where = where
+        self._num_dense = features.num_dense
+        self._upper = np.asarray(features.cardinalities, dtype=np.int64)
+
+    @property
+    def num_rows(self) -> int:
+        """Rows of the split."""
+        return self._store.rows(self._split)
+
+    def gather(self, rows: np.ndarray, pinned: bool) -> RecBatch:
+        """Rows `rows` in that order, read from the store (into pinned memory if `pinned`)."""
+        return self._batch(self._store.take(self._split, rows), pinned)
+
+    def span(self, start: int, stop: int) -> RecBatch:
+        """Rows `start..stop`, read from the store."""
+        return self._batch(self._store.span(self._split, start, stop), pinned=False)
+
+    def _batch(self, columns: dict[str, np.ndarray], pinned: bool) -> RecBatch:
+        rows = len(columns["label"])  # a width-1 column comes as [rows]: the model takes [rows, width] features
+        sparse = columns["sparse"].reshape(rows, len(self._upper))
+        if sparse.size and (sparse.min() < 0 or bool((sparse >= self._upper).any())):
+            raise ValueError(f"data.store={self._where}: {self._split} rows hold categorical indices outside "
+                             "[0, hash_buckets]: a shard was damaged after prepare")
+        return RecBatch(
+            _tensor(columns["dense"].reshape(rows, self._num_dense), torch.float32, pinned),
+            _tensor(sparse, torch.int64, pinned),
+            _tensor(columns["label"].reshape(-1), torch.float32, pinned),
+        )
 
 
 def pinned_staging(device: torch.device) -> bool:
@@ -168,6 +250,28 @@ def _gather(column: torch.Tensor, rows: torch.Tensor, pinned: bool) -> torch.Ten
         return column.index_select(0, rows)
     out = torch.empty((rows.numel(), *column.shape[1:]), dtype=column.dtype, pin_memory=True)
     return torch.index_select(column, 0, rows, out=out)
+
+
+def _tensor(array: np.ndarray, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
+    """`array` (a store's column, maybe a read-only memory map) as a tensor of `dtype` that owns its memory."""
+    if pinned:  # converted straight into page-locked memory: one pass, no pageable copy in between
+        out = torch.empty(array.shape, dtype=dtype, pin_memory=True)
+        np.copyto(out.numpy(), array)
+        return out
+    wanted = torch.empty(0, dtype=dtype).numpy().dtype
+    if array.dtype != wanted or not array.flags.writeable:
+        array = array.astype(wanted)  # a copy: torch must not share a memory map (read-only) or a caller's array
+    return torch.from_numpy(array)
+
+
+def _rows_of(name: str, split: RecBatch | Rows, features: FeatureSpec) -> Rows:
+    """`split` as `Rows`: a `RecBatch` is checked whole (it is in memory anyway) and served by `MemoryRows`."""
+    if isinstance(split, RecBatch):
+        _check_split(name, split, features)
+        return MemoryRows(split)
+    if split.num_rows < 1:
+        raise ValueError(f"{name} split has no rows")
+    return split
 
 
 def _check_split(name: str, split: RecBatch, features: FeatureSpec) -> None:

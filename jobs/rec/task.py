@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from jobs.rec.config import CriteoTSVConfig, DLRMConfig, SyntheticClicksConfig
+from jobs.rec.config import CriteoConfig, DLRMConfig, SyntheticClicksConfig
 from jobs.rec.data import RecBatch, pinned_staging
 from jobs.rec.metrics import auc, logloss
 
@@ -20,7 +20,7 @@ class RecTask:
     def __init__(
         self,
         model_cfg: DLRMConfig,
-        data_cfg: SyntheticClicksConfig | CriteoTSVConfig,
+        data_cfg: SyntheticClicksConfig | CriteoConfig,
         world_size: int,
         micro_batches: int,
     ) -> None:
@@ -67,7 +67,7 @@ class RecTask:
 
 def build_task(
     model_cfg: DLRMConfig,
-    data_cfg: SyntheticClicksConfig | CriteoTSVConfig,
+    data_cfg: SyntheticClicksConfig | CriteoConfig,
     world_size: int,
     micro_batches: int,
 ) -> RecTask:

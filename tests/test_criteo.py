@@ -1,0 +1,226 @@
+"""Criteo-format files: today's in-memory reader and the store's parser, which must agree with it."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import math
+import random
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gpujobs.data.prepare import BadLineError
+from jobs.rec.criteo import CriteoFormatError, read_criteo_tsv
+from jobs.rec.criteo_store import MAX_HASH_BUCKETS, CriteoParser
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _criteo_line(label: str, ints: list[str], cats: list[str]) -> str:
+    return "\t".join([label, *ints, *cats]) + "\n"
+
+
+def _random_lines(count: int, seed: int) -> list[str]:
+    """Lines with what real logs hold: missing fields, negatives, huge counts, hex and non-ASCII categories."""
+    rng = random.Random(seed)
+    ints = ["", "0", "-2", "7", "123456", "99999999999999999999", " 5", "007"]
+    cats = ["", "68fd1e64", "a", "05db9164", "é€", "x" * 40, "0x1f"]
+    return [
+        _criteo_line(rng.choice("01"), [rng.choice(ints) for _ in range(13)], [rng.choice(cats) for _ in range(26)])
+        for _ in range(count)
+    ]
+
+
+def _parse_all(parser: CriteoParser, path: Path, bad_lines: str = "fail") -> tuple[dict[str, np.ndarray], int]:
+    """Every chunk of `path` joined: (column name -> array, lines skipped), checked against the ColumnSpecs."""
+    chunks = list(parser.parse(path, bad_lines))
+    columns = {}
+    for spec in parser.columns():
+        parts = [chunk.columns[spec.name] for chunk in chunks]
+        for part in parts:
+            assert part.dtype == np.dtype(spec.dtype)
+            assert part.shape[1:] == (() if spec.width == 1 else (spec.width,))
+        columns[spec.name] = np.concatenate(parts) if parts else np.empty(0)
+    return columns, sum(chunk.bad_lines for chunk in chunks)
+
+
+def _assert_same_as_today(columns: dict[str, np.ndarray], path: Path, hash_buckets: int) -> None:
+    today = read_criteo_tsv(path, hash_buckets)
+    np.testing.assert_array_equal(columns["label"].astype(np.float32), today.label.numpy())
+    np.testing.assert_array_equal(columns["dense"], today.dense.numpy())
+    np.testing.assert_array_equal(columns["sparse"].astype(np.int64), today.sparse.numpy())
+
+
+# --- read_criteo_tsv (today's reader) -------------------------------------------------------------
+
+
+def test_criteo_reader_transforms_and_hashes(tmp_path: Path) -> None:
+    ints = ["5", "", "-2", *["0"] * 10]
+    cats = ["68fd1e64", "", *["a" * 8] * 24]
+    path = tmp_path / "day.tsv"
+    path.write_text(_criteo_line("1", ints, cats) + _criteo_line("0", [""] * 13, [""] * 26))
+    batch = read_criteo_tsv(path, hash_buckets=1000)
+    assert batch.label.tolist() == [1.0, 0.0]
+    assert batch.dense.shape == (2, 13) and batch.sparse.shape == (2, 26)
+    assert batch.dense[0, :3].tolist() == pytest.approx([math.log1p(5), 0.0, 0.0])
+    assert batch.dense[1].abs().sum() == 0
+    assert batch.sparse[0, 0] == 1 + zlib.crc32(b"68fd1e64") % 1000  # stable across runs, unlike hash()
+    assert batch.sparse[0, 1] == 0  # missing
+    assert (batch.sparse[1] == 0).all()
+
+
+@pytest.mark.parametrize(
+    ("bad_line", "message"),
+    [
+        ("1\t2\t3\n", "expected 40 tab-separated fields"),
+        (_criteo_line("1", ["7", "x1", *["0"] * 11], [""] * 26), "integer feature I2 is 'x1'"),
+        (_criteo_line("yes", ["0"] * 13, [""] * 26), "label 'yes' is not 0 or 1"),
+    ],
+)
+def test_criteo_reader_names_file_and_line_of_a_bad_line(tmp_path: Path, bad_line: str, message: str) -> None:
+    good = _criteo_line("0", ["1"] * 13, ["ab"] * 26)
+    path = tmp_path / "bad.tsv"
+    path.write_text(good + good + bad_line + good)
+    with pytest.raises(CriteoFormatError, match=f"bad.tsv:3: {message}"):
+        read_criteo_tsv(path, hash_buckets=10)
+
+
+# --- CriteoParser (the store's) ---------------------------------------------------------------------
+
+
+def test_parser_columns_and_settings() -> None:
+    parser = CriteoParser(hash_buckets=1000)
+    assert [(c.name, c.dtype, c.width) for c in parser.columns()] == [
+        ("label", "|u1", 1), ("dense", "<f4", 13), ("sparse", "<i4", 26)]
+    assert parser.settings() == {"hash_buckets": 1000, "hash": "crc32", "dense": "log1p"}
+    assert parser.name == "jobs.rec.criteo_store:CriteoParser"
+
+
+@pytest.mark.parametrize("block_bytes", [1 << 20, 3000])  # one block; many, so lines straddle block ends
+def test_parser_gives_the_values_of_read_criteo_tsv(tmp_path: Path, block_bytes: int) -> None:
+    path = tmp_path / "day.tsv"
+    path.write_text("".join(_random_lines(500, seed=1)), encoding="utf-8")
+    columns, skipped = _parse_all(CriteoParser(hash_buckets=977, block_bytes=block_bytes), path)
+    assert skipped == 0 and len(columns["label"]) == 500
+    _assert_same_as_today(columns, path, 977)
+    sparse = columns["sparse"]
+    assert sparse.min() >= 0 and sparse.max() <= 977
+
+
+def test_parser_fast_path_matches_the_line_rules(tmp_path: Path) -> None:
+    """Lines pyarrow reads itself (no 0x, no huge count, no '+'): the vectorised hash and log1p, not the fallback."""
+    rng = random.Random(2)
+    lines = [_criteo_line(rng.choice("01"), [rng.choice(["", "0", "-3", "41", "65535"]) for _ in range(13)],
+                          [rng.choice(["", "68fd1e64", "b", "é€", "y" * 33]) for _ in range(26)])
+             for _ in range(400)]
+    path = tmp_path / "day.tsv"
+    path.write_text("".join(lines), encoding="utf-8")
+    parser = CriteoParser(hash_buckets=1 << 20)
+    block = path.read_bytes()
+    fast = parser._fast_block(block, first_line=1)
+    assert fast is not None
+    careful = parser._careful_block(path, block, first_line=1, bad_lines="fail")
+    for name in ("label", "dense", "sparse"):
+        np.testing.assert_array_equal(fast.columns[name], careful.columns[name])
+    _assert_same_as_today(fast.columns, path, 1 << 20)
+
+
+def test_parser_hash_is_the_same_in_another_process(tmp_path: Path) -> None:
+    """crc32 of the bytes, not Python's hash(): another interpreter with another hash seed gives the same indices."""
+    path = tmp_path / "day.tsv"
+    path.write_text("".join(_random_lines(200, seed=3)), encoding="utf-8")
+    here, _ = _parse_all(CriteoParser(hash_buckets=MAX_HASH_BUCKETS), path)
+    code = ("import sys, hashlib, numpy as np; from pathlib import Path;"
+            "from jobs.rec.criteo_store import CriteoParser;"
+            "chunks = CriteoParser(hash_buckets=int(sys.argv[2])).parse(Path(sys.argv[1]), 'fail');"
+            "print(hashlib.sha256(np.concatenate([c.columns['sparse'] for c in chunks]).tobytes()).hexdigest())")
+    there = subprocess.run([sys.executable, "-c", code, str(path), str(MAX_HASH_BUCKETS)], capture_output=True,
+                           text=True, check=True, cwd=REPO, env={"PYTHONPATH": str(REPO), "PYTHONHASHSEED": "12345"})
+    assert there.stdout.strip() == hashlib.sha256(here["sparse"].tobytes()).hexdigest()
+    assert here["sparse"].max() <= MAX_HASH_BUCKETS  # the widest table still fits int32
+    _assert_same_as_today(here, path, MAX_HASH_BUCKETS)
+
+
+def test_gzip_file_gives_the_same_columns_as_plain(tmp_path: Path) -> None:
+    text = "".join(_random_lines(300, seed=4))
+    plain, packed = tmp_path / "day.tsv", tmp_path / "day.tsv.gz"
+    plain.write_text(text, encoding="utf-8")
+    packed.write_bytes(gzip.compress(text.encode()))
+    parser = CriteoParser(hash_buckets=100, block_bytes=5000)
+    columns_plain, _ = _parse_all(parser, plain)
+    columns_gz, _ = _parse_all(parser, packed)
+    for name in columns_plain:
+        np.testing.assert_array_equal(columns_plain[name], columns_gz[name])
+
+
+GOOD = _criteo_line("0", ["1"] * 13, ["ab"] * 26)
+BAD_LINES = [
+    pytest.param(b"1\t2\t3\n", "expected 40 tab-separated fields .* got 3", id="columns"),
+    pytest.param(b"\n", "expected 40 tab-separated fields .* got 1", id="empty-line"),
+    pytest.param(_criteo_line("2", ["0"] * 13, [""] * 26).encode(), "label '2' is not 0 or 1", id="label"),
+    pytest.param(_criteo_line("", ["0"] * 13, [""] * 26).encode(), "label '' is not 0 or 1", id="no-label"),
+    pytest.param(_criteo_line("00", ["0"] * 13, [""] * 26).encode(), "label '00' is not 0 or 1", id="label-00"),
+    pytest.param(_criteo_line("1", ["7", "x1", *["0"] * 11], [""] * 26).encode(), "integer feature I2 is 'x1'",
+                 id="count"),
+    pytest.param(_criteo_line("1", ["0x1f", *["0"] * 12], [""] * 26).encode(), "integer feature I1 is '0x1f'",
+                 id="hex-count"),  # pyarrow alone would read 31
+    pytest.param(_criteo_line("1", ["1.5", *["0"] * 12], [""] * 26).encode(), "integer feature I1 is '1.5'",
+                 id="float-count"),
+    pytest.param(("1" + "\t0" * 13 + "\t\xff" * 26 + "\n").encode("latin-1"), "not UTF-8 text", id="not-utf8"),
+]
+
+
+@pytest.mark.parametrize("gz", [False, True], ids=["plain", "gz"])
+@pytest.mark.parametrize(("bad_line", "message"), BAD_LINES)
+def test_a_bad_line_fails_naming_file_and_line(tmp_path: Path, bad_line: bytes, message: str, gz: bool) -> None:
+    content = (GOOD * 40).encode() + bad_line + (GOOD * 3).encode()
+    path = tmp_path / ("day.tsv.gz" if gz else "day.tsv")
+    path.write_bytes(gzip.compress(content) if gz else content)
+    parser = CriteoParser(hash_buckets=10, block_bytes=1000)  # the bad line is in a later block: numbering carries
+    with pytest.raises(BadLineError, match=f"^{path}:41: {message}"):
+        list(parser.parse(path, "fail"))
+
+
+@pytest.mark.parametrize(("bad_line", "message"), BAD_LINES)
+def test_skip_leaves_out_and_counts_bad_lines(tmp_path: Path, bad_line: bytes, message: str) -> None:
+    good = [line.encode() for line in _random_lines(60, seed=5)]
+    path, survivors = tmp_path / "day.tsv", tmp_path / "good.tsv"
+    path.write_bytes(b"".join([*good[:10], bad_line, *good[10:50], bad_line, *good[50:]]))
+    survivors.write_bytes(b"".join(good))
+    columns, skipped = _parse_all(CriteoParser(hash_buckets=50, block_bytes=2000), path, "skip")
+    assert skipped == 2
+    _assert_same_as_today(columns, survivors, 50)
+
+
+def test_empty_file_has_no_rows_and_a_last_line_needs_no_line_end(tmp_path: Path) -> None:
+    empty, unended = tmp_path / "empty.tsv", tmp_path / "unended.tsv"
+    empty.write_bytes(b"")
+    unended.write_text("".join(_random_lines(5, seed=6)).rstrip("\n"), encoding="utf-8")
+    parser = CriteoParser(hash_buckets=10)
+    assert list(parser.parse(empty, "fail")) == []
+    columns, _ = _parse_all(parser, unended)
+    assert len(columns["label"]) == 5
+    _assert_same_as_today(columns, unended, 10)
+
+
+def test_truncated_gzip_fails_naming_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "day.tsv.gz"
+    path.write_bytes(gzip.compress("".join(_random_lines(2000, seed=7)).encode())[:-5000])
+    with pytest.raises(BadLineError, match=f"^{path}:[0-9]+: the file cannot be read"):
+        list(CriteoParser(hash_buckets=10, block_bytes=4096).parse(path, "skip"))
+
+
+@pytest.mark.parametrize("hash_buckets", [0, MAX_HASH_BUCKETS + 1])
+def test_hash_buckets_out_of_int32_range_is_refused(hash_buckets: int) -> None:
+    with pytest.raises(ValueError, match=f"hash_buckets={hash_buckets} is invalid: allowed 1..{MAX_HASH_BUCKETS}"):
+        CriteoParser(hash_buckets=hash_buckets)
+
+
+def test_unknown_bad_lines_mode_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="bad_lines='warn' is invalid: allowed fail or skip"):
+        list(CriteoParser(hash_buckets=10).parse(tmp_path / "x.tsv", "warn"))
