@@ -2,9 +2,11 @@
 
 The config is composed from the same tree and overrides as `gpujobs submit`, and validated by the same code,
 so the store that training opens is the one prepared here (`data.store`). The data config says what to
-prepare (`prepare_plan()`: its input files, parser and store); `gpujobs.data.prepare.prepare_store` does it,
-`data.prepare_workers` processes at a time (default: one per input file, at most one per CPU). A rerun
-prepares only what is missing or whose input changed.
+prepare (`prepare_plan()`: its input files, parser and store). Where the job would run here
+(`cluster=local`), `data.prepare_workers` processes do it (default: one per input file, at most one per CPU);
+on a scheduler (`cluster=slurm`) it is ONE job array, a task per shard that needs work, at most
+`data.prepare_workers` running at once, followed to its end with `cluster.wait=true`
+(`gpujobs.launch.prepare`). A rerun prepares only what is missing or whose input changed.
 
 Exit codes: 0 the store is prepared (or was already); 1 it failed on this machine (a file it could not
 read or write); 2 refused in one line: a bad config value, a data config with nothing to prepare, a bad
@@ -16,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 import time
 from typing import TYPE_CHECKING, Any, Optional
@@ -113,22 +114,35 @@ def summary(manifest: Manifest, seconds: float) -> str:
 
 
 def prepare(overrides: list[str]) -> int:
-    """Compose, plan and prepare; returns the exit code. Raises GpujobsError (refusals), composition
-    errors and OSError for `main` to put in one line."""
+    """Compose, plan and prepare, here or as the cluster's job array; returns the exit code. Raises
+    GpujobsError (refusals), composition errors and OSError for `main` to put in one line."""
     job, data_option = compose_job(overrides)
     plan = plan_of(job, data_option)
     from gpujobs.backends import backend_for
-    from gpujobs.data.prepare import prepare_store  # the data layer, once there is something to prepare
+    from gpujobs.backends.base import Scheduler
+    from gpujobs.data.manifest import read_manifest
+    from gpujobs.launch.prepare import follow_prepare, prepare_here, queue_prepare
 
-    workers = worker_count(job.data, plan)
+    backend = backend_for(job)
     inputs = ", ".join(count(len(paths), f"{split} file") for split, paths in plan.splits.items())
-    say(f"{inputs} into data.store={plan.store}, {workers} worker process{'es' if workers != 1 else ''}, "
-        f"bad lines: {plan.bad_lines}")
-    if backend_for(job).queues:  # said, not silently done otherwise: the CPUs used are this machine's
-        say(f"cluster={job.cluster.name}: prepared here, on {socket.gethostname()}, not as a job of the cluster "
-            "(a Slurm job array for prepare is not built yet)")
     started = time.monotonic()
-    manifest = prepare_store(plan, workers, log=say)
+    if not isinstance(backend, Scheduler):
+        workers = worker_count(job.data, plan)
+        say(f"{inputs} into data.store={plan.store}, {workers} worker process{'es' if workers != 1 else ''}, "
+            f"bad lines: {plan.bad_lines}")
+        manifest = prepare_here(plan, workers, log=say)
+    else:
+        say(f"{inputs} into data.store={plan.store}, as one {backend.name} job array, bad lines: {plan.bad_lines}")
+        job_id = queue_prepare(job, plan, backend, getattr(job.data, "prepare_workers", None), log=say)
+        if job_id is not None and not backend.follows(job):
+            say(f"{backend.name} job array {job_id} queued; its last task writes the manifest (cluster.wait=true "
+                "follows it here)")
+            return 0
+        if job_id is not None:
+            manifest = follow_prepare(plan.store, backend, job_id)
+        else:
+            say("every shard was prepared already: nothing queued")
+            manifest = read_manifest(plan.store)
     say(summary(manifest, time.monotonic() - started))
     return 0
 
