@@ -2,6 +2,7 @@
 
 `layout` names the files of a store, `manifest` is its typed record (written last), `shuffle` the index
 bijection that orders an epoch without per-row state, `reader` serves rows by memory map, and `prepare`
-turns a job's input files into shards with that job's parser. What a line means belongs to the job
-(`jobs.rec.criteo`); everything else here serves any job.
+turns a job's input files into shards with that job's parser (`shard_writer` writes one shard and
+publishes it whole). What a line means belongs to the job (`jobs.rec.criteo`); everything else here
+serves any job.
 """

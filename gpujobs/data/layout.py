@@ -3,6 +3,7 @@
 ```
 STORE/manifest.json                      written last, atomically: its presence means "finished"
 STORE/.prepare.lock                      flock'ed by the one prepare running; holds its pid and host
+STORE/prepared_with.json                 the parser, settings and columns the shards were prepared with
 STORE/shards/<split>-<NNNNN>/<col>.bin   raw little-endian fixed-width values, rows x width, C order
 STORE/shards/<split>-<NNNNN>/shard.json  the shard's record, written last inside its directory
 STORE/shards/.tmp-<split>-<NNNNN>-<pid>/ work in progress, renamed into place when complete
@@ -41,6 +42,12 @@ class StoreLayout:
     @property
     def lock(self) -> Path:
         return self.root / ".prepare.lock"
+
+    @property
+    def prepared_with(self) -> Path:
+        """What the shards under shards/ were prepared with (parser, settings, columns), written by each
+        prepare before its first shard: a prepare with anything else starts over."""
+        return self.root / "prepared_with.json"
 
     @property
     def shards(self) -> Path:

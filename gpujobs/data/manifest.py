@@ -30,6 +30,10 @@ class StoreError(ConfigError):
         super().__init__(STORE_KEY, str(store), what)
         self.args = (f"{STORE_KEY}={str(store)!r}: {what}",)
 
+    def __reduce__(self) -> tuple[type[StoreError], tuple[str, str]]:
+        # rebuilt from (store, what), not from its message: it crosses from a prepare's worker processes
+        return (type(self), (str(self.value), self.allowed))
+
 
 @dataclass(frozen=True)
 class ColumnSpec:
