@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gpujobs.data.prepare import BadLineError
+from gpujobs.data.prepare import BadLineError, PreparePlan, prepare_store
+from gpujobs.data.reader import SampleStore
 from jobs.rec.criteo import CriteoFormatError, read_criteo_tsv
 from jobs.rec.criteo_store import MAX_HASH_BUCKETS, CriteoParser
 
@@ -34,6 +35,14 @@ def _random_lines(count: int, seed: int) -> list[str]:
         _criteo_line(rng.choice("01"), [rng.choice(ints) for _ in range(13)], [rng.choice(cats) for _ in range(26)])
         for _ in range(count)
     ]
+
+
+def _fast_lines(count: int, seed: int) -> list[str]:
+    """Lines pyarrow reads itself (no 0x, no huge count, no '+'): the vectorised path, not the fallback."""
+    rng = random.Random(seed)
+    return [_criteo_line(rng.choice("01"), [rng.choice(["", "0", "-3", "41", "65535"]) for _ in range(13)],
+                         [rng.choice(["", "68fd1e64", "b", "é€", "y" * 33]) for _ in range(26)])
+            for _ in range(count)]
 
 
 def _parse_all(parser: CriteoParser, path: Path, bad_lines: str = "fail") -> tuple[dict[str, np.ndarray], int]:
@@ -101,11 +110,11 @@ def test_parser_columns_and_settings() -> None:
     assert parser.name == "jobs.rec.criteo_store:CriteoParser"
 
 
-@pytest.mark.parametrize("block_bytes", [1 << 20, 3000])  # one block; many, so lines straddle block ends
-def test_parser_gives_the_values_of_read_criteo_tsv(tmp_path: Path, block_bytes: int) -> None:
-    path = tmp_path / "day.tsv"
+@pytest.mark.parametrize(("block_bytes", "threads"), [(1 << 20, 1), (3000, 1), (3000, 3)])  # many blocks: lines
+def test_parser_gives_the_values_of_read_criteo_tsv(tmp_path: Path, block_bytes: int, threads: int) -> None:
+    path = tmp_path / "day.tsv"  # straddle block ends; threads: blocks parsed side by side, joined in order
     path.write_text("".join(_random_lines(500, seed=1)), encoding="utf-8")
-    columns, skipped = _parse_all(CriteoParser(hash_buckets=977, block_bytes=block_bytes), path)
+    columns, skipped = _parse_all(CriteoParser(hash_buckets=977, block_bytes=block_bytes, threads=threads), path)
     assert skipped == 0 and len(columns["label"]) == 500
     _assert_same_as_today(columns, path, 977)
     sparse = columns["sparse"]
@@ -113,21 +122,26 @@ def test_parser_gives_the_values_of_read_criteo_tsv(tmp_path: Path, block_bytes:
 
 
 def test_parser_fast_path_matches_the_line_rules(tmp_path: Path) -> None:
-    """Lines pyarrow reads itself (no 0x, no huge count, no '+'): the vectorised hash and log1p, not the fallback."""
-    rng = random.Random(2)
-    lines = [_criteo_line(rng.choice("01"), [rng.choice(["", "0", "-3", "41", "65535"]) for _ in range(13)],
-                          [rng.choice(["", "68fd1e64", "b", "é€", "y" * 33]) for _ in range(26)])
-             for _ in range(400)]
     path = tmp_path / "day.tsv"
-    path.write_text("".join(lines), encoding="utf-8")
+    path.write_text("".join(_fast_lines(400, seed=2)), encoding="utf-8")
     parser = CriteoParser(hash_buckets=1 << 20)
     block = path.read_bytes()
-    fast = parser._fast_block(block, first_line=1)
+    fast = parser._fast_block(block, first=True)
     assert fast is not None
     careful = parser._careful_block(path, block, first_line=1, bad_lines="fail")
     for name in ("label", "dense", "sparse"):
         np.testing.assert_array_equal(fast.columns[name], careful.columns[name])
     _assert_same_as_today(fast.columns, path, 1 << 20)
+
+
+def test_crlf_line_ends_read_as_read_criteo_tsv_reads_them(tmp_path: Path) -> None:
+    path = tmp_path / "day.tsv"
+    path.write_bytes(b"".join(line.encode().replace(b"\n", b"\r\n") for line in _fast_lines(50, seed=9)))
+    parser = CriteoParser(hash_buckets=77, block_bytes=1000)
+    assert parser._fast_block(path.read_bytes(), first=True) is not None  # pyarrow's path, not the fallback
+    columns, _ = _parse_all(parser, path)
+    assert len(columns["label"]) == 50
+    _assert_same_as_today(columns, path, 77)
 
 
 def test_parser_hash_is_the_same_in_another_process(tmp_path: Path) -> None:
@@ -181,18 +195,20 @@ def test_a_bad_line_fails_naming_file_and_line(tmp_path: Path, bad_line: bytes, 
     content = (GOOD * 40).encode() + bad_line + (GOOD * 3).encode()
     path = tmp_path / ("day.tsv.gz" if gz else "day.tsv")
     path.write_bytes(gzip.compress(content) if gz else content)
-    parser = CriteoParser(hash_buckets=10, block_bytes=1000)  # the bad line is in a later block: numbering carries
+    # the bad line is in a later block, the blocks parsed two at a time: numbering carries over in order
+    parser = CriteoParser(hash_buckets=10, block_bytes=1000, threads=2)
     with pytest.raises(BadLineError, match=f"^{path}:41: {message}"):
         list(parser.parse(path, "fail"))
 
 
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize(("bad_line", "message"), BAD_LINES)
-def test_skip_leaves_out_and_counts_bad_lines(tmp_path: Path, bad_line: bytes, message: str) -> None:
-    good = [line.encode() for line in _random_lines(60, seed=5)]
+def test_skip_leaves_out_and_counts_bad_lines(tmp_path: Path, bad_line: bytes, message: str, threads: int) -> None:
+    good = [line.encode() for line in _fast_lines(60, seed=5)]  # blocks without a bad line take pyarrow's path
     path, survivors = tmp_path / "day.tsv", tmp_path / "good.tsv"
     path.write_bytes(b"".join([*good[:10], bad_line, *good[10:50], bad_line, *good[50:]]))
     survivors.write_bytes(b"".join(good))
-    columns, skipped = _parse_all(CriteoParser(hash_buckets=50, block_bytes=2000), path, "skip")
+    columns, skipped = _parse_all(CriteoParser(hash_buckets=50, block_bytes=2000, threads=threads), path, "skip")
     assert skipped == 2
     _assert_same_as_today(columns, survivors, 50)
 
@@ -215,6 +231,11 @@ def test_truncated_gzip_fails_naming_the_file(tmp_path: Path) -> None:
         list(CriteoParser(hash_buckets=10, block_bytes=4096).parse(path, "skip"))
 
 
+def test_threads_below_one_are_refused() -> None:
+    with pytest.raises(ValueError, match="threads=0 is invalid: allowed >= 1"):
+        CriteoParser(hash_buckets=10, threads=0)
+
+
 @pytest.mark.parametrize("hash_buckets", [0, MAX_HASH_BUCKETS + 1])
 def test_hash_buckets_out_of_int32_range_is_refused(hash_buckets: int) -> None:
     with pytest.raises(ValueError, match=f"hash_buckets={hash_buckets} is invalid: allowed 1..{MAX_HASH_BUCKETS}"):
@@ -224,3 +245,21 @@ def test_hash_buckets_out_of_int32_range_is_refused(hash_buckets: int) -> None:
 def test_unknown_bad_lines_mode_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="bad_lines='warn' is invalid: allowed fail or skip"):
         list(CriteoParser(hash_buckets=10).parse(tmp_path / "x.tsv", "warn"))
+
+
+def test_a_store_prepared_by_worker_processes_holds_read_criteo_tsv_values(tmp_path: Path) -> None:
+    """The parser pickled into spawned workers, through prepare_store: plain, gzip, empty and damaged inputs."""
+    lines = [line.encode() for line in _random_lines(300, seed=8)]
+    plain, packed, empty = tmp_path / "day_0.tsv", tmp_path / "day_1.tsv.gz", tmp_path / "day_2.tsv"
+    plain.write_bytes(b"".join(lines[:100]) + b"1\t2\n" + b"".join(lines[100:200]))
+    packed.write_bytes(gzip.compress(b"".join(lines[200:])))
+    empty.write_bytes(b"")
+    whole = tmp_path / "all.tsv"
+    whole.write_bytes(b"".join(lines))
+    parser = CriteoParser(hash_buckets=500, block_bytes=4000)
+    plan = PreparePlan(tmp_path / "store", {"train": (plain, packed, empty), "eval": (packed,)}, parser, "skip")
+    manifest = prepare_store(plan, workers=2, log=lambda line: None)
+    assert [(shard.rows, shard.bad_lines) for shard in manifest.shards] == [(200, 1), (100, 0), (0, 0), (100, 0)]
+    store = SampleStore.open(tmp_path / "store", parser.name, parser.settings())
+    rows = store.take("train", np.arange(300))
+    _assert_same_as_today(rows, whole, 500)

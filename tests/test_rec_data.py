@@ -292,6 +292,27 @@ def test_the_store_path_is_one_slurm_reads_as_written() -> None:
     assert compose_job("+experiment=rec", "cluster=local", "data=criteo", "data.store=/d/a%j").data.store == "/d/a%j"
 
 
+def test_a_slurm_jobs_store_on_storage_only_its_nodes_mount_is_left_to_the_ranks(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    unseen = compose_job("+experiment=rec", "cluster=slurm", "data=criteo", f"data.store={tmp_path}/scratch/store")
+    unseen.data.check_here(unseen)  # not even its parent is here: the ranks check it as they open it
+    assert capsys.readouterr().err == f"gpujobs: data.store={tmp_path}/scratch/store is not visible here: the ranks " \
+                                      "check it as they open it\n"
+    missing = compose_job("+experiment=rec", "cluster=slurm", "data=criteo", f"data.store={tmp_path}/store")
+    with pytest.raises(ConfigError, match=r"^data\.store=.*: no such directory"):
+        missing.data.check_here(missing)  # its parent is here: the store is missing, not out of sight
+
+
+def test_a_store_without_eval_rows_is_refused_at_submit(tmp_path: Path) -> None:
+    job = compose_job("+experiment=rec", "cluster=local", "data=criteo", f"data.store={tmp_path}", "data.batch_size=2")
+    parser = job.data.parser()
+    day = {"label": np.zeros(8, np.uint8), "dense": np.zeros((8, 13), np.float32), "sparse": np.ones((8, 26), np.int32)}
+    store_from_arrays(tmp_path, parser.name, parser.settings(), parser.columns(), {"train": [day], "eval": [0]})
+    with pytest.raises(ConfigError, match=r"^data\.store=.*: it holds no eval rows: prepare it with data\.eval_files$"):
+        job.data.check_here(job)
+
+
 def test_criteo_prepare_plan_expands_the_globs(tmp_path: Path) -> None:
     assert BAD_LINES == prepare.BAD_LINES
     for name in ("day_1.gz", "day_0.gz", "eval.tsv"):

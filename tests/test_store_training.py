@@ -44,18 +44,18 @@ def run_of(store: Path, *more: str) -> tuple[str, ...]:
 
 
 def _refused(tmp_path: Path, store: Path, *more: str) -> str:
-    """The one line that submit exits 2 with; no run dir is made."""
+    """The one line that submit exits 2 with (its prefix off); no run dir is made."""
     proc = submit(tmp_path / "run", *run_of(store, *more), timeout=60)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1, proc.stderr
+    assert len(lines) == 1 and lines[0].startswith("gpujobs: config error: "), proc.stderr
     assert not (tmp_path / "run").exists()
-    return lines[0]
+    return lines[0].removeprefix("gpujobs: config error: ")
 
 
 def test_a_missing_store_is_refused_at_submit(tmp_path: Path) -> None:
     line = _refused(tmp_path, tmp_path / "nowhere")
-    assert f"data.store='{tmp_path / 'nowhere'}'" in line
+    assert line == f"data.store='{tmp_path / 'nowhere'}': no such directory: run gpujobs prepare with the same config"
 
 
 def test_an_unfinished_store_is_refused_at_submit(tmp_path: Path, store: Path) -> None:
@@ -63,13 +63,13 @@ def test_an_unfinished_store_is_refused_at_submit(tmp_path: Path, store: Path) -
     shutil.copytree(store, copy)
     (copy / "manifest.json").unlink()  # as a prepare killed before its last write leaves it
     line = _refused(tmp_path, copy)
-    assert line.startswith(f"gpujobs: data.store='{copy}' is invalid") or f"data.store='{copy}'" in line, line
-    assert "prepare" in line
+    assert line == f"data.store='{copy}': not prepared, or its prepare did not finish: run gpujobs prepare with the " \
+                   "same config"
 
 
 def test_a_store_of_other_hash_buckets_is_refused_at_submit(tmp_path: Path, store: Path) -> None:
     line = _refused(tmp_path, store, "data.hash_buckets=10")
-    assert "data.store=" in line and "hash_buckets=1000" in line and "hash_buckets=10" in line
+    assert line.startswith(f"data.store='{store}': prepared with hash_buckets=1000, this job has hash_buckets=10: ")
 
 
 def test_a_store_whose_shard_changed_after_prepare_is_refused_at_submit(tmp_path: Path, store: Path) -> None:
@@ -78,12 +78,13 @@ def test_a_store_whose_shard_changed_after_prepare_is_refused_at_submit(tmp_path
     with open(copy / "shards" / "train-00001" / "sparse.bin", "ab") as file:
         file.write(b"\0")
     line = _refused(tmp_path, copy)
-    assert "data.store=" in line and "train-00001" in line and "sparse.bin" in line
+    assert line == f"data.store='{copy}': shard train-00001's sparse.bin changed after prepare: prepare it again"
 
 
 def test_the_global_batch_is_checked_against_the_stores_rows_at_submit(tmp_path: Path, store: Path) -> None:
     line = _refused(tmp_path, store, "data.global_batch_size=4502")
-    assert "data.global_batch_size=4502" in line and "4500 training rows of data.store" in line
+    assert line.startswith("data.global_batch_size=4502 is invalid: ")
+    assert line.endswith("to 4500 (the 4500 training rows of data.store per micro-batch)")
 
 
 # --- exact across kills and world sizes -------------------------------------------------------------

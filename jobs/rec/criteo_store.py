@@ -14,7 +14,9 @@ from __future__ import annotations
 import math
 import re
 import zlib
+from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -26,14 +28,13 @@ import pyarrow.csv as pa_csv
 
 from gpujobs.base.errors import GpujobsError
 from gpujobs.data.manifest import ColumnSpec
-from gpujobs.data.prepare import BadLineError, ParsedChunk
+from gpujobs.data.prepare import BAD_LINES, BadLineError, ParsedChunk
 
 NUM_INTEGER = 13
 NUM_CATEGORICAL = 26
 NUM_COLUMNS = 1 + NUM_INTEGER + NUM_CATEGORICAL
 MAX_HASH_BUCKETS = 2**31 - 2
 """The most hash buckets: an index 1 + crc % hash_buckets <= 2**31 - 2 fits the store's int32 column."""
-BAD_LINES = ("fail", "skip")
 
 _COLUMN_NAMES = [f"c{i}" for i in range(NUM_COLUMNS)]
 # The label and the categoricals dictionary-encoded: a block has few distinct values per column, so hashing
@@ -131,14 +132,15 @@ class CriteoParser:
     Columns: `label` |u1 (0 or 1: exact in one byte, a quarter of a float's disk and page cache; the
     reader makes it a float per batch), `dense` <f4 x 13 (log1p(max(x, 0)), missing 0), `sparse` <i4 x 26
     (1 + crc32(value) % hash_buckets, missing 0): the values `read_criteo_tsv` gives, sparse included.
-    Only `hash_buckets` changes the output; `block_bytes` and `use_threads` change speed and memory.
+    Only `hash_buckets` changes the output; `block_bytes` and `threads` change speed and memory.
     """
 
     hash_buckets: int
-    block_bytes: int = 32 << 20
-    """Decompressed bytes parsed at once: bounds memory, and is what a damaged line makes re-read in Python."""
-    use_threads: bool = False
-    """pyarrow's thread pool within a block; off by default, as prepare already runs a process per core."""
+    block_bytes: int = 4 << 20
+    """Decompressed bytes parsed at once (a few MB stay in cache): what a damaged line makes re-read in Python."""
+    threads: int = 1
+    """Blocks parsed at once, a thread each (pyarrow and numpy release the GIL): 1 where prepare runs a worker
+    process per core; the cores a worker has to itself otherwise (one big file: one worker, all cores)."""
 
     name: ClassVar[str] = "jobs.rec.criteo_store:CriteoParser"
 
@@ -148,6 +150,8 @@ class CriteoParser:
                 f"hash_buckets={self.hash_buckets} is invalid: allowed 1..{MAX_HASH_BUCKETS} (int32 indices)")
         if self.block_bytes < 1:
             raise ValueError(f"block_bytes={self.block_bytes} is invalid: allowed >= 1")
+        if self.threads < 1:
+            raise ValueError(f"threads={self.threads} is invalid: allowed >= 1")
 
     def columns(self) -> tuple[ColumnSpec, ...]:
         """label, dense, sparse (see the class docstring)."""
@@ -166,31 +170,43 @@ class CriteoParser:
         """
         if bad_lines not in BAD_LINES:
             raise ValueError(f"bad_lines={bad_lines!r} is invalid: allowed {' or '.join(BAD_LINES)}")
-        blocks = _line_blocks(path, self.block_bytes)
         first_line = 1
-        while True:
-            try:
-                block = next(blocks, None)
-            except (OSError, pa.ArrowInvalid) as err:  # a damaged compressed file
-                raise BadLineError(f"{path}:{first_line}: the file cannot be read from here on ({err})") from None
-            if block is None:
-                return
-            chunk = self._fast_block(block, first_line)
-            if chunk is None:
-                chunk = self._careful_block(path, block, first_line, bad_lines)
-                first_line += block.count(b"\n")
-            else:  # pyarrow read every line as a row (a stray "\r" would have broken a row's 40 fields)
-                first_line += len(chunk.columns["label"])
-            yield chunk
+        try:
+            for block, chunk in self._fast_blocks(path):
+                if chunk is None:
+                    chunk = self._careful_block(path, block, first_line, bad_lines)
+                    first_line += block.count(b"\n")
+                else:  # pyarrow read every line as a row (a stray "\r" would have broken a row's 40 fields)
+                    first_line += len(chunk.columns["label"])
+                yield chunk
+        except (OSError, pa.ArrowInvalid) as err:  # a damaged compressed file
+            raise BadLineError(f"{path}:{first_line}: the file cannot be read from here on ({err})") from None
 
-    def _fast_block(self, block: bytes, first_line: int) -> ParsedChunk | None:
+    def _fast_blocks(self, path: Path) -> Iterator[tuple[bytes, ParsedChunk | None]]:
+        """Each block of the file with its `_fast_block` result, in order, up to `threads` blocks at once."""
+        blocks = enumerate(_line_blocks(path, self.block_bytes))
+        if self.threads == 1:
+            yield from ((block, self._fast_block(block, number == 0)) for number, block in blocks)
+            return
+        with ThreadPoolExecutor(self.threads) as pool:
+            pending: deque[tuple[bytes, Future[ParsedChunk | None]]] = deque()
+            for number, block in blocks:
+                pending.append((block, pool.submit(self._fast_block, block, number == 0)))
+                if len(pending) > self.threads:  # bounded: memory stays a few blocks per thread
+                    done, future = pending.popleft()
+                    yield done, future.result()
+            while pending:
+                done, future = pending.popleft()
+                yield done, future.result()
+
+    def _fast_block(self, block: bytes, first: bool) -> ParsedChunk | None:
         """The block's rows by pyarrow and numpy; None when the block needs the line-by-line rules."""
-        if (first_line == 1 and block.startswith(_UTF8_BOM)) or (
+        if (first and block.startswith(_UTF8_BOM)) or (
             (b"x" in block or b"X" in block) and _HEX_FIELD.search(block)
         ):
             return None
-        read = pa_csv.ReadOptions(column_names=_COLUMN_NAMES, use_threads=self.use_threads,
-                                  block_size=len(block) + 1 if not self.use_threads else 1 << 22)
+        # One pyarrow block per block: threads, where wanted, parse whole blocks side by side instead.
+        read = pa_csv.ReadOptions(column_names=_COLUMN_NAMES, use_threads=False, block_size=len(block) + 1)
         try:
             table = pa_csv.read_csv(pa.BufferReader(block), read_options=read, parse_options=_PARSE,
                                     convert_options=_CONVERT)

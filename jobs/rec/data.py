@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -227,11 +227,11 @@ class StoreRows:
         sparse = columns["sparse"].reshape(rows, len(self._upper))
         if sparse.size and (sparse.min() < 0 or bool((sparse >= self._upper).any())):
             raise ValueError(f"data.store={self._where}: {self._split} rows hold categorical indices outside "
-                             "[0, hash_buckets]: a shard was damaged after prepare")
+                             "[0, cardinality): a shard was changed after prepare")
         return RecBatch(
             _tensor(columns["dense"].reshape(rows, self._num_dense), torch.float32, pinned),
             _tensor(sparse, torch.int64, pinned),
-            _tensor(columns["label"].reshape(-1), torch.float32, pinned),
+            _tensor(columns["label"], torch.float32, pinned),
         )
 
 
@@ -252,13 +252,16 @@ def _gather(column: torch.Tensor, rows: torch.Tensor, pinned: bool) -> torch.Ten
     return torch.index_select(column, 0, rows, out=out)
 
 
+_NUMPY_DTYPES: dict[torch.dtype, np.dtype[Any]] = {torch.float32: np.dtype(np.float32), torch.int64: np.dtype(np.int64)}
+
+
 def _tensor(array: np.ndarray, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
     """`array` (a store's column, maybe a read-only memory map) as a tensor of `dtype` that owns its memory."""
     if pinned:  # converted straight into page-locked memory: one pass, no pageable copy in between
         out = torch.empty(array.shape, dtype=dtype, pin_memory=True)
         np.copyto(out.numpy(), array)
         return out
-    wanted = torch.empty(0, dtype=dtype).numpy().dtype
+    wanted = _NUMPY_DTYPES[dtype]
     if array.dtype != wanted or not array.flags.writeable:
         array = array.astype(wanted)  # a copy: torch must not share a memory map (read-only) or a caller's array
     return torch.from_numpy(array)
