@@ -137,12 +137,13 @@ class RecData:
         rows = parts[0] if len(parts) == 1 else torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
         return RecBatch(*(_gather(column, rows, pinned) for column in self._train))
 
-    def eval_batches(self, batch_size: int = 4096) -> Iterator[RecBatch]:
-        """The whole eval split (not sharded) in order, as views of at most `batch_size` rows."""
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        for start in range(0, self._eval.num_rows, batch_size):
-            yield RecBatch(*(t[start : start + batch_size] for t in self._eval))
+    def eval_batches(self, batch_size: int = 4096, start: int = 0, stop: int | None = None) -> Iterator[RecBatch]:
+        """Rows `start..stop` of the eval split (stop None: its end) in order, as views of at most `batch_size` rows."""
+        stop = self._eval.num_rows if stop is None else stop
+        if batch_size < 1 or not 0 <= start <= stop <= self._eval.num_rows:
+            raise ValueError(f"no eval rows {start}..{stop} in batches of {batch_size} ({self._eval.num_rows} rows)")
+        for first in range(start, stop, batch_size):
+            yield RecBatch(*(t[first : min(first + batch_size, stop)] for t in self._eval))
 
     def _order(self, epoch: int) -> torch.Tensor:
         # One permutation per epoch, the same on every rank; recomputed only when the epoch changes.
