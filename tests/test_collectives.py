@@ -300,7 +300,8 @@ def _job_worker(rank: int, job: TrainJob, out: str) -> None:
 def test_a_real_job_sends_every_collective_to_a_device_its_group_serves(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    job = TrainJob(compose_job(*TINY), str(run_dir), master_port=free_port())
+    # the health check's probe holds the job's barrier (the eval, now every rank's, waits at none)
+    job = TrainJob(compose_job(*TINY, "cluster.health_check=true"), str(run_dir), master_port=free_port())
     mp.spawn(_job_worker, args=(job, str(tmp_path)), nprocs=2)
     for rank in (0, 1):
         record = json.loads((tmp_path / f"rank{rank}.json").read_text())

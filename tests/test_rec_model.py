@@ -88,7 +88,8 @@ def test_evaluate_reports_metrics_and_restores_the_mode() -> None:
     seen_modes: list[bool] = []
     task.model.register_forward_hook(lambda module, args, out: seen_modes.append(module.training))
     metrics = task.evaluate(task.model, CPU)
-    assert set(metrics) == {"auc", "logloss", "oracle_auc"}
+    assert set(metrics) == {"auc", "logloss", "eval_rows", "oracle_auc"}
+    assert metrics["eval_rows"] == task.data.num_eval
     assert 0.0 <= metrics["auc"] <= 1.0 and metrics["logloss"] > 0.0
     assert metrics["oracle_auc"] == task.data.oracle_auc
     assert seen_modes and not any(seen_modes)
@@ -96,6 +97,15 @@ def test_evaluate_reports_metrics_and_restores_the_mode() -> None:
     task.model.eval()
     task.evaluate(task.model, CPU)
     assert not task.model.training
+
+
+def test_evaluate_reads_the_first_max_rows_eval_rows() -> None:
+    task = _task()
+    seen: list[int] = []
+    task.model.register_forward_hook(lambda module, args, out: seen.append(int(out.shape[0])))
+    # the first 100 rows, once more for the histogram's center
+    assert task.evaluate(task.model, CPU, max_rows=100)["eval_rows"] == 100 and seen == [100, 100]
+    assert task.evaluate(task.model, CPU, max_rows=10**9)["eval_rows"] == task.data.num_eval
 
 
 def test_tasks_of_all_ranks_start_from_the_same_model_and_stream() -> None:

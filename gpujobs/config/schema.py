@@ -87,6 +87,9 @@ class TrainerConfig(Checked):
     """auto (bf16 on GPUs of compute capability 8.0+, fp32 on older GPUs and the CPU) | bf16 | off."""
     eval_every: int = field(default=100, metadata=bounds(ge=0))
     """Evaluate every N steps (0: only at the end)."""
+    eval_max_rows: Optional[int] = field(default=None, metadata=bounds(ge=1))
+    """The periodic evals (every `eval_every` steps) read at most the first N rows of the eval split, shared
+    by the ranks (null: all of it); the final eval reads all of it."""
     log_every: int = field(default=20, metadata=bounds(ge=0))
     """Log metrics every N steps."""
     deterministic: bool = True

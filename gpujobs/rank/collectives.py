@@ -61,6 +61,20 @@ def all_true(flag: bool, group: Optional[dist.ProcessGroup] = None) -> bool:
     return bool(_reduce(torch.tensor([int(flag)], dtype=torch.int32), dist.ReduceOp.MIN, group).item())
 
 
+def sum_across(values: torch.Tensor) -> torch.Tensor:
+    """`values` summed over the ranks, on the CPU (one all-reduce, on the device the group serves: a
+    large CPU tensor, such as the eval's histograms, goes to gloo on a device-aware group and to the GPU
+    on a CUDA-only one); `values` may hold the sum afterwards. Without a group, `values` itself."""
+    return _reduce(values, dist.ReduceOp.SUM)
+
+
+def rank_and_world() -> tuple[int, int]:
+    """This process's rank in the group and the group's size; (0, 1) without a group."""
+    if not active():
+        return 0, 1
+    return dist.get_rank(), dist.get_world_size()
+
+
 def sum_in_place(tensor: torch.Tensor) -> None:
     """Sum a large `tensor` over the ranks, in place on its own device (the health check's bandwidth
     probe times exactly this: a copy to another device would be timed with it). The group must serve

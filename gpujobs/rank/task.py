@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Optional, Protocol
 
 import torch
 
@@ -31,5 +31,18 @@ class Task(Protocol):
     def loss(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
         """Mean loss of `batch`; `model` may be the DDP wrapper."""
 
-    def evaluate(self, model: torch.nn.Module, device: torch.device) -> dict[str, float]:
-        """Held-out metrics of the unwrapped model."""
+    def evaluate(
+        self, model: torch.nn.Module, device: torch.device, max_rows: Optional[int] = None
+    ) -> dict[str, float]:
+        """Held-out metrics of the unwrapped model on the first `max_rows` rows of the eval split (None:
+        all of it). Collective: every rank calls it at once, evaluates its `eval_share` of those rows (its
+        rank and the world size from `collectives.rank_and_world`) and combines what it counted with the
+        others' through `gpujobs.rank.collectives`; every rank returns the same numbers."""
+
+
+def eval_share(rows: int, rank: int, world: int) -> tuple[int, int]:
+    """Rank `rank`'s rows `start, stop` of `rows` eval rows split among `world` ranks: even (the shares
+    differ by one row at most), contiguous and in rank order."""
+    if not 0 <= rank < world or rows < 0:
+        raise ValueError(f"no share of {rows} rows for rank {rank} of {world}")
+    return rows * rank // world, rows * (rank + 1) // world

@@ -257,7 +257,7 @@ class Trainer:
         if times.steps:
             train_s += time.perf_counter() - window_start
         if not stopped:
-            evals = self._evaluate()
+            evals = self._evaluate(final=True)
         self._checkpoint(stop=stopped)  # a stop's save, synchronous; after the last step, none is due
         return self._result(stopped, start_step, start_samples, evals, train_s, time.perf_counter() - wall_start)
 
@@ -276,7 +276,7 @@ class Trainer:
             return {}
         if self.balancer.mode == "dynamic" and step % cfg.balance_every == 0:
             self._rebalance(times)
-        return self._evaluate() if cfg.eval_every and step % cfg.eval_every == 0 else {}
+        return self._evaluate(final=False) if cfg.eval_every and step % cfg.eval_every == 0 else {}
 
     def _result(
         self, stopped: bool, start_step: int, start_samples: int, evals: dict[str, float], train_s: float, wall_s: float
@@ -298,10 +298,6 @@ class Trainer:
         }
 
     # ------------------------------------------------------------------ helpers
-    def _barrier(self) -> None:
-        self.beat.phase = "collective"
-        collectives.barrier()
-
     def _should_stop(self) -> bool:
         self.beat.phase = "collective"
         return self.preemption.should_stop()
@@ -357,14 +353,16 @@ class Trainer:
         self.metrics.write(record)
         self.on_step(self.step, record)
 
-    def _evaluate(self) -> dict[str, float]:
-        """Rank 0 evaluates the unwrapped model; the others wait at a barrier."""
-        results: dict[str, float] = {}
+    def _evaluate(self, final: bool) -> dict[str, float]:
+        """Every rank evaluates its share of the eval rows (all of them at the end, at most
+        `trainer.eval_max_rows` in between) with the unwrapped model; the task combines the shares, so all
+        ranks hold the same metrics. Rank 0 writes the record."""
+        self.beat.phase = "eval"  # a rank that waits in the eval's all-reduce is in the eval too
+        max_rows = None if final else self.job.trainer.eval_max_rows
+        metrics = self.task.evaluate(self.model, self.device, max_rows)
+        results = {k: round(float(v), 6) for k, v in metrics.items()}
         if self.info.is_main:
-            self.beat.phase = "eval"
-            results = {k: round(float(v), 6) for k, v in self.task.evaluate(self.model, self.device).items()}
             record = self.telemetry.step(EvalRecord(self.step, results))
             self.metrics.write(record)
             self.on_step(self.step, record)
-        self._barrier()
         return results
