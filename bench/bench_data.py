@@ -1,6 +1,6 @@
 """The sample store against today's Criteo path, side by side in one invocation (issue 27).
 
-    python bench/bench_data.py [--rows 200000] [--rounds 3] [--store-rows 1000000] [--steps 400] [--json PATH]
+    python bench/bench_data.py [--rows 200000] [--rounds 5] [--store-rows 1000000] [--steps 400] [--json PATH]
 
 On generated Criteo-format files (the Kaggle release's 26 category cardinalities, Zipf-skewed values, a
 tenth of the fields missing; about 240 bytes a line, as the real logs):
@@ -305,7 +305,7 @@ def print_table(result: dict[str, Any]) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=200_000, help="lines of the generated Criteo file")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds of part 1 (medians)")
     parser.add_argument("--store-rows", type=int, default=1_000_000, help="the smaller store; the larger is 10x")
     parser.add_argument("--steps", type=int, default=400, help="steps of the reading side (training: 20)")
     parser.add_argument("--json", type=Path, help="also write the JSON result here")
