@@ -23,7 +23,6 @@ from typing import Any, ClassVar
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.csv as pa_csv
 
 from gpujobs.base.errors import GpujobsError
@@ -297,8 +296,8 @@ def _dense(table: pa.Table) -> np.ndarray:
     """[rows, 13] float32 log1p(max(x, 0)), missing 0, computed in float64 as math.log1p does."""
     out = np.empty((table.num_rows, NUM_INTEGER), dtype=np.float32)
     for j in range(NUM_INTEGER):
-        counts = pc.fill_null(table.column(1 + j), 0).to_numpy()
-        out[:, j] = np.log1p(np.maximum(counts, 0).astype(np.float64))
+        counts = table.column(1 + j).to_numpy()  # float64 with NaN where missing, or int64 where none is
+        out[:, j] = np.log1p(np.fmax(counts, 0))  # fmax: NaN (missing) -> 0; log1p in float64, then float32
     return out
 
 
