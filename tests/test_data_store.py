@@ -138,16 +138,16 @@ def test_rows_outside_the_split_are_refused(store: Path, rows: list[int]) -> Non
         reader.take("test", np.array([0]))
 
 
-def test_a_store_sent_to_another_process_maps_its_files_there(store: Path) -> None:
+def test_a_store_sent_to_another_process_opens_its_files_there(store: Path) -> None:
     reader = SampleStore.open(store, PARSER, SETTINGS)
     before = reader.take("train", np.array([5, 70]))
     sent = pickle.dumps(reader)
-    assert len(sent) == len(pickle.dumps(SampleStore.open(store, PARSER, SETTINGS)))  # no mapped rows copied
+    assert len(sent) == len(pickle.dumps(SampleStore.open(store, PARSER, SETTINGS)))  # no descriptors, no rows
     copy = pickle.loads(sent)
     assert all(np.array_equal(copy.take("train", np.array([5, 70]))[k], v) for k, v in before.items())
 
 
-def test_a_shard_is_mapped_only_when_its_rows_are_read(store: Path) -> None:
+def test_a_shard_is_opened_only_when_its_rows_are_read(store: Path) -> None:
     reader = SampleStore.open(store, PARSER, SETTINGS)
     # gone after open: only a read of that shard's rows would notice
     os.unlink(StoreLayout(store).column_file("train-00003", "dense"))
@@ -261,3 +261,24 @@ def test_a_column_file_touched_after_prepare_is_refused(store: Path) -> None:
 def test_a_missing_column_file_is_refused(store: Path) -> None:
     StoreLayout(store).column_file("train-00000", "dense").unlink()
     assert _refusal(store).endswith("shard train-00000's dense.bin is missing: prepare it again")
+
+
+def _resident_bytes() -> int:
+    """This process's resident set (VmRSS), file-backed pages it maps included."""
+    fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
+    return int(fields["VmRSS"].split()[0]) * 1024
+
+
+def test_random_rows_of_a_store_do_not_grow_the_rank_with_the_store(tmp_path: Path) -> None:
+    """4096 random rows of a 3.5M-row store (about 100 MB, all in the page cache after its writing): a rank's
+    resident memory grows by its batch, not by the pages around each row (a memory map would map a whole
+    page-cache folio per row: tens of MB here, the store's size at scale)."""
+    write_store(tmp_path / "store", [3_500_000], [10])
+    reader = SampleStore.open(tmp_path / "store", PARSER, SETTINGS)
+    rows = IndexShuffle(reader.rows("train"), 7)(np.arange(4096, dtype=np.int64))
+    reader.take("train", rows[:8])  # the descriptors and numpy's first allocations, before the measure
+    before = _resident_bytes()
+    got = reader.take("train", rows)
+    grown = _resident_bytes() - before
+    assert np.array_equal(got["sparse"][:, 0], rows)
+    assert grown < 4 * 2**20, f"{grown / 2**20:.1f} MB more resident for a 4096-row batch"

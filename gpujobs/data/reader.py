@@ -1,15 +1,17 @@
-"""Rows of a prepared store, served by memory map (torch-free).
+"""Rows of a prepared store, read row by row with pread (torch-free).
 
 Opening checks the store (`check_store`) and keeps per split only the shards' row offsets: O(shards),
-never O(rows). A shard's column files are memory-mapped on first use, once, advised MADV_RANDOM: a
-`take` reads only the pages of the rows it asks for. (Without the advice, each page fault of a random
-row reads ahead the device's whole read-ahead window, 8 MB here: 100x slower and that much more I/O.)
-`span` reads contiguous rows with plain sequential reads, which the read-ahead serves well.
+never O(rows). A `take` of random rows reads each row of each column with one `preadv` into the batch's
+own buffer, on a descriptor opened once per column file and advised POSIX_FADV_RANDOM (no read-ahead of
+a window around each row). Not a memory map: a page fault of a mapped file maps a whole page-cache folio
+(1 MB here), so a step's few hundred random rows would map hundreds of MB into the rank and its RSS would
+grow with the store; read, the pages stay in the kernel's cache, shared by the node's ranks, and a rank
+holds only its batch. `span` reads contiguous rows (the eval) in sequential reads.
 """
 
 from __future__ import annotations
 
-import mmap
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,7 +48,7 @@ class SampleStore:
         self.manifest = manifest
         self._layout = StoreLayout(root)
         self._splits = {split: _SplitIndex.of(manifest.split_shards(split)) for split in SPLITS}
-        self._maps: dict[tuple[str, str], np.ndarray] = {}
+        self._fds: dict[tuple[str, str], int] = {}
 
     @classmethod
     def open(cls, store: Path, parser: str, settings: dict[str, Any]) -> SampleStore:
@@ -54,9 +56,18 @@ class SampleStore:
         return cls(store, check_store(store, parser, settings))
 
     def __getstate__(self) -> dict[str, Any]:
-        # a copy sent to another process (a data loader's worker) maps the files again there, on first use;
-        # pickled, a map would be its whole column copied
-        return {**self.__dict__, "_maps": {}}
+        # a copy sent to another process (a data loader's worker) opens the files again there, on first use
+        return {**self.__dict__, "_fds": {}}
+
+    def close(self) -> None:
+        """Close the column files opened so far (they open again on the next read)."""
+        fds = getattr(self, "_fds", {})  # none when __init__ did not get that far
+        for fd in fds.values():
+            os.close(fd)
+        fds.clear()
+
+    def __del__(self) -> None:
+        self.close()
 
     def rows(self, split: str) -> int:
         """The rows of `split`."""
@@ -78,9 +89,9 @@ class SampleStore:
             wanted = order[bounds[number]:bounds[number + 1]]
             if wanted.size == 0:
                 continue
-            local = rows[wanted] - index.starts[number]
+            local = (rows[wanted] - index.starts[number]).tolist()
             for spec in self.manifest.columns:
-                out[spec.name][wanted] = self._map(shard, spec)[local]
+                out[spec.name][wanted] = self._gather(shard, spec, local)
         return out
 
     def span(self, split: str, start: int, stop: int) -> dict[str, np.ndarray]:
@@ -103,16 +114,24 @@ class SampleStore:
             raise ValueError(f"split {split!r} is not one of {', '.join(SPLITS)}")
         return self._splits[split]
 
-    def _map(self, shard: ShardRecord, spec: ColumnSpec) -> np.ndarray:
-        """The memory map of `spec`'s column in `shard` (read-only), opened on first use."""
+    def _gather(self, shard: ShardRecord, spec: ColumnSpec, local: list[int]) -> np.ndarray:
+        """The rows `local` of `spec`'s column in `shard`, in that order: one preadv per row."""
+        part = np.empty(_shape(spec, len(local)), dtype=spec.dtype)
+        view, size = memoryview(part).cast("B"), spec.row_bytes()
+        fd = self._fd(shard, spec)
+        for number, row in enumerate(local):
+            if os.preadv(fd, [view[number * size:(number + 1) * size]], row * size) != size:
+                raise OSError(f"{self._layout.column_file(shard.name, spec.name)} ended early: prepare the store again")
+        return part
+
+    def _fd(self, shard: ShardRecord, spec: ColumnSpec) -> int:
+        """The descriptor of `spec`'s column file in `shard`, opened on first use, advised random reads."""
         key = (shard.name, spec.name)
-        if key not in self._maps:
-            with open(self._layout.column_file(shard.name, spec.name), "rb") as handle:
-                mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
-            mapped.madvise(mmap.MADV_RANDOM)
-            # the array holds the map open; the rows are never copied until read
-            self._maps[key] = np.frombuffer(mapped, dtype=spec.dtype).reshape(_shape(spec, shard.rows))
-        return self._maps[key]
+        if key not in self._fds:
+            fd = os.open(self._layout.column_file(shard.name, spec.name), os.O_RDONLY | os.O_CLOEXEC)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            self._fds[key] = fd
+        return self._fds[key]
 
     def _read(self, shard: ShardRecord, spec: ColumnSpec, begin: int, into: np.ndarray) -> None:
         """Read `spec`'s rows of `shard` from row `begin` into `into` (contiguous), in sequential reads."""
