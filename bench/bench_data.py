@@ -245,12 +245,25 @@ def _memory_mb(field: str) -> float:
     raise RuntimeError(f"/proc/self/status has no {field}")
 
 
+def _drop_cached(stores: list[Path]) -> None:
+    """Ask the kernel to drop the stores' files from its page cache (clean pages go; no root needed)."""
+    for store in stores:
+        for path in store.rglob("*.bin"):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
 def bench_opening(stores: list[Path], tries: int = 3) -> list[dict[str, float]]:
     """For each store, medians over `tries` fresh processes of `first_step`; the stores take turns, so that
     both meet the same page cache (writing the larger one evicts the interpreter's libraries)."""
     runs: list[list[dict[str, float]]] = [[] for _ in stores]
+    os.sync()  # the stores' pages clean, so that the kernel may drop them
     for _ in range(tries):
         for number, store in enumerate(stores):
+            _drop_cached(stores)  # every try reads its rows from the disk: a warm small store is no baseline
             command = [sys.executable, __file__, "--first-step", str(store), "--started", repr(time.time())]
             done = subprocess.run(command, capture_output=True, text=True, check=True, cwd=REPO)
             runs[number].append(json.loads(done.stdout))

@@ -117,7 +117,7 @@ class SampleStore:
     def _gather(self, shard: ShardRecord, spec: ColumnSpec, local: list[int]) -> np.ndarray:
         """The rows `local` of `spec`'s column in `shard`, in that order: one preadv per row."""
         part = np.empty(_shape(spec, len(local)), dtype=spec.dtype)
-        view, size = memoryview(part).cast("B"), spec.row_bytes()
+        view, size = part.data.cast("B"), spec.row_bytes()
         fd = self._fd(shard, spec)
         for number, row in enumerate(local):
             if os.preadv(fd, [view[number * size:(number + 1) * size]], row * size) != size:
