@@ -298,3 +298,17 @@ def test_a_consumer_s_bound_is_exact(refused: tuple[str, ...], key: str, accepte
         _loaded(*refused)
     assert info.value.key == key, info.value
     _loaded(*accepted)
+
+
+def test_a_run_resumes_with_other_prepare_workers_but_not_with_other_hash_buckets() -> None:
+    """How many processes prepared the store changes no step: a checkpoint resumes across it; what a step
+    reads (the hashing) is the run's."""
+    from gpujobs.rundir.marker import Marker, SavedRun
+    from gpujobs.rundir.resume import ResumeMismatch, check_same_run
+
+    saved = compose_job(*CRITEO, "data.prepare_workers=2")
+    marker = Marker(step=4, world_size=2, run=SavedRun(config=saved.to_dict(), global_batch_size=512))
+    check_same_run(marker, compose_job(*CRITEO, "data.prepare_workers=8"), "the run dir")
+    check_same_run(marker, compose_job(*CRITEO), "the run dir")
+    with pytest.raises(ResumeMismatch, match=r"other values of data.hash_buckets \(100000 -> 10\)"):
+        check_same_run(marker, compose_job(*CRITEO, "data.hash_buckets=10"), "the run dir")

@@ -84,14 +84,16 @@ def check_same_run(marker: Marker, job: JobConfig, where: str, global_batch: Opt
     saved = marker.run.config
     if saved is None:
         return  # a marker of an older gpujobs: nothing to compare
+    # what the data config says changes no step (how many processes prepare its store, say)
+    ignored = tuple(f"data.{key}" for key in getattr(job.data, "SAME_RUN_IGNORES", ()))
     saved_batch = marker.run.global_batch_size
     if saved_batch is None:  # an older marker: the world size and the per-rank batch must match as they were
-        changed = differences(saved, job.to_dict())
+        changed = differences(saved, job.to_dict(), skip=ignored)
         saved_world = marker.world_size
         if saved_world is not None and saved_world != job.resources.world_size:
             changed.append(f"world size ({saved_world} -> {job.resources.world_size})")
     else:
-        changed = differences(saved, job.to_dict(), skip=BATCH_KEYS)
+        changed = differences(saved, job.to_dict(), skip=BATCH_KEYS + ignored)
         batch = global_batch if global_batch is not None else global_batch_of(job)
         if batch is not None and batch != saved_batch:
             changed.append(

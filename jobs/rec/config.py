@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, ClassVar, Optional
 
 from gpujobs.base.errors import ConfigError
 from gpujobs.config.validate import Checked, bounds, check_slurm_path, check_text
@@ -193,6 +193,9 @@ class CriteoConfig(Checked):
     """Seed of the shuffling; independent of the training seed."""
     prepare_workers: Optional[int] = field(default=None, metadata=bounds(ge=1))
     """Processes of `gpujobs prepare` on one machine (null: one per input file, at most one per CPU)."""
+
+    SAME_RUN_IGNORES: ClassVar[tuple[str, ...]] = ("prepare_workers",)
+    """Keys a run may change and still resume its checkpoints: they change no training step."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
