@@ -1,7 +1,7 @@
-"""The generic sample store (torch-free): raw logs prepared once into memory-mapped fixed-width columns.
+"""The generic sample store (torch-free): raw logs prepared once into fixed-width column files.
 
 `layout` names the files of a store, `manifest` is its typed record (written last), `shuffle` the index
-bijection that orders an epoch without per-row state, `reader` serves rows by memory map, and `prepare`
+bijection that orders an epoch without per-row state, `reader` serves any rows by positioned reads, and `prepare`
 turns a job's input files into shards with that job's parser (`shard_writer` writes one shard and
 publishes it whole). What a line means belongs to the job (`jobs.rec.criteo`); everything else here
 serves any job.

@@ -211,7 +211,7 @@ def _check_column_file(store: Path, directory: Path, shard: ShardRecord, column:
                        spec: ColumnSpec | None) -> None:
     """Refuse a column file that is missing, or not as prepare recorded it (size, mtime, rows x width)."""
     where = f"shard {shard.name}'s {column_file_name(column.name)}"
-    if spec is None or column.size != shard.rows * spec.row_bytes():  # the reader's memmap shape relies on it
+    if spec is None or column.size != shard.rows * spec.row_bytes():  # the reader's row offsets rely on it
         raise StoreError(store, f"its manifest.json is damaged ({where} does not hold {shard.rows} rows of "
                                 f"the manifest's columns): prepare it again")
     try:

@@ -168,7 +168,7 @@ class CriteoConfig(Checked):
     """Criteo-format click logs (`label, I1..I13, C1..C26` per line, tab-separated, plain or gzip), read from a
     sample store prepared once by `gpujobs prepare` with this same config.
 
-    Training opens `store` by memory map and reads only each step's rows: opening it costs the same at any
+    Training opens `store` and reads only each step's rows: opening it costs the same at any
     size and memory per rank does not grow with the rows. The input files matter to `gpujobs prepare` only.
     """
 

@@ -1,7 +1,7 @@
 """Click data and its global sample stream: the rows of every step, whatever the world size.
 
 Where the samples come from (synthetic generator, a prepared Criteo store) lives in sibling modules; this
-one serves a split's rows from memory (`MemoryRows`) or from a memory-mapped sample store (`StoreRows`) and
+one serves a split's rows from memory (`MemoryRows`) or from a prepared sample store (`StoreRows`) and
 decides which rows make up each step's global batch (the trainer decides who reads which).
 """
 
@@ -193,7 +193,7 @@ class StoreRows:
     """A split of a prepared sample store (`gpujobs.data.reader.SampleStore`) with the rec columns `label`
     (width 1), `dense` (width num_dense) and `sparse` (width one per categorical feature).
 
-    Rows are read from the store's memory maps as they are asked for: memory does not grow with the store.
+    Rows are read from the store's files as they are asked for: memory does not grow with the store.
     The categorical indices of every batch are checked against the tables (a few comparisons per row):
     the store is checked by size and time, not content, and a bad index would fail deep in an embedding.
     """
@@ -256,14 +256,14 @@ _NUMPY_DTYPES: dict[torch.dtype, np.dtype[Any]] = {torch.float32: np.dtype(np.fl
 
 
 def _tensor(array: np.ndarray, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
-    """`array` (a store's column, maybe a read-only memory map) as a tensor of `dtype` that owns its memory."""
+    """`array` (a store's column, or a caller's array) as a tensor of `dtype` that owns its memory."""
     if pinned:  # converted straight into page-locked memory: one pass, no pageable copy in between
         out = torch.empty(array.shape, dtype=dtype, pin_memory=True)
         np.copyto(out.numpy(), array)
         return out
     wanted = _NUMPY_DTYPES[dtype]
     if array.dtype != wanted or not array.flags.writeable:
-        array = array.astype(wanted)  # a copy: torch must not share a memory map (read-only) or a caller's array
+        array = array.astype(wanted)  # a copy: torch must not share a read-only or a caller's array
     return torch.from_numpy(array)
 
 
