@@ -74,11 +74,18 @@ def criteo(days: Path, store: Path, *more: str) -> tuple[str, ...]:
             f"data.eval_files=[{days}/eval_0.tsv.gz]", f"data.store={store}", "data.hash_buckets=1000", *more)
 
 
+def here(overrides: tuple[str, ...] | list[str]) -> list[str]:
+    """`overrides` with `cluster=local` unless they name a cluster: on a machine that can submit to Slurm
+    (CI's, with the test cluster up) the default cluster would queue the prepare as a job array."""
+    return [*overrides] if any(o.startswith("cluster=") for o in overrides) else [*overrides, "cluster=local"]
+
+
 def prepare(*overrides: str, cwd: Path, module: bool = True) -> subprocess.CompletedProcess[str]:
-    """`python -m gpujobs.prepare OVERRIDES` (or the `gpujobs prepare` console script) in a subprocess."""
+    """`python -m gpujobs.prepare OVERRIDES` (or the `gpujobs prepare` console script) in a subprocess,
+    here (`cluster=local`) unless the overrides name a cluster."""
     command = [sys.executable, "-m", "gpujobs.prepare"] if module else [str(Path(sys.executable).with_name("gpujobs")),
                                                                          "prepare"]
-    return subprocess.run([*command, *overrides], cwd=cwd, capture_output=True, text=True, timeout=120,
+    return subprocess.run([*command, *here(overrides)], cwd=cwd, capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
@@ -141,7 +148,7 @@ def test_prepare_then_train_from_the_store_and_a_rerun_touches_nothing(days: Pat
     script = f"""
 import sys
 from gpujobs.cli.prepare import main
-code = main({list(criteo(days, store, 'data.prepare_workers=1'))!r})
+code = main({here(criteo(days, store, 'data.prepare_workers=1'))!r})
 assert "torch" not in sys.modules, "gpujobs prepare imported torch"
 sys.exit(code)
 """
@@ -229,7 +236,7 @@ def stop_holding_the_lock(proc: subprocess.Popen[str], lock: Path) -> None:
 
 def test_a_second_prepare_of_a_store_being_prepared_is_refused(days: Path, tmp_path: Path) -> None:
     store = tmp_path / "store"
-    first = subprocess.Popen([sys.executable, "-m", "gpujobs.prepare", *criteo(days, store)], cwd=tmp_path,
+    first = subprocess.Popen([sys.executable, "-m", "gpujobs.prepare", *here(criteo(days, store))], cwd=tmp_path,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         stop_holding_the_lock(first, store / ".prepare.lock")
@@ -251,6 +258,7 @@ def test_the_readme_one_liner_prepares_and_trains(days: Path, tmp_path: Path) ->
     command = (line.replace("a.tsv", str(days / "day_0.tsv")).replace("b.tsv", str(days / "eval_0.tsv.gz"))
                .replace("/tmp/store", str(tmp_path / "store"))
                .replace("data=criteo", "data=criteo data.hash_buckets=1000")  # both commands: small tables
+               .replace("gpujobs prepare", "gpujobs prepare cluster=local")  # CI's machine can submit to Slurm
                .replace("gpujobs submit", f"gpujobs submit hydra.run.dir={tmp_path / 'run'} cluster=local "
                         + " ".join(TINY_TRAIN)))
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}

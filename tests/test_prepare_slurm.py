@@ -46,7 +46,7 @@ def test_a_prepare_on_slurm_is_one_job_array_that_makes_the_store_a_prepare_here
         days: Path, tmp_path: Path, slurm: dict[str, str]) -> None:
     here = prepare(*criteo(days, tmp_path / "here"), "cluster=local", cwd=tmp_path)
     assert here.returncode == 0, here.stdout + here.stderr
-    proc = prepare_on_slurm(days, tmp_path / "queued", slurm, "cluster.wait=true")
+    proc = prepare_on_slurm(days, tmp_path / "queued", slurm)  # followed to its end by default
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "queued slurm job array" in proc.stdout and ": 3 tasks" in proc.stdout, proc.stdout
     assert fingerprint(tmp_path / "queued") == fingerprint(tmp_path / "here")

@@ -5,7 +5,7 @@ so the store that training opens is the one prepared here (`data.store`). The da
 prepare (`prepare_plan()`: its input files, parser and store). Where the job would run here
 (`cluster=local`), `data.prepare_workers` processes do it (default: one per input file, at most one per CPU);
 on a scheduler (`cluster=slurm`) it is ONE job array, a task per shard that needs work, at most
-`data.prepare_workers` running at once, followed to its end with `cluster.wait=true`
+`data.prepare_workers` running at once, followed to its end unless `cluster.wait=false`
 (`gpujobs.launch.prepare`). A rerun prepares only what is missing or whose input changed.
 
 Exit codes: 0 the store is prepared (or was already); 1 it failed on this machine (a file it could not
@@ -134,9 +134,10 @@ def prepare(overrides: list[str]) -> int:
     else:
         say(f"{inputs} into data.store={plan.store}, as one {backend.name} job array, bad lines: {plan.bad_lines}")
         job_id = queue_prepare(job, plan, backend, getattr(job.data, "prepare_workers", None), log=say)
-        if job_id is not None and not backend.follows(job):
-            say(f"{backend.name} job array {job_id} queued; its last task writes the manifest (cluster.wait=true "
-                "follows it here)")
+        # followed unless cluster.wait=false: a prepare is mostly followed by training, which needs the store
+        if job_id is not None and job.cluster.wait is False:
+            say(f"{backend.name} job array {job_id} queued, not followed (cluster.wait=false): the store is ready "
+                "once its last task writes the manifest")
             return 0
         if job_id is not None:
             manifest = follow_prepare(plan.store, backend, job_id)
