@@ -7,6 +7,7 @@ against the ones their documentation lists (pyxis: github.com/NVIDIA/pyxis/wiki/
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import subprocess
@@ -200,12 +201,30 @@ def test_preflight_checks_files_and_mounts_but_not_names(tmp_path: Path) -> None
         with pytest.raises(ConfigError) as caught:
             compose_job(*SLURM, *overrides).container.check_here()
         assert caught.value.key == key and why in str(caught.value), str(caught.value)
-    (bundle / "config.json").write_text("{}")
+    (bundle / "config.json").write_text(json.dumps({"mounts": [{"source": "/opt", "destination": "/opt"}]}))
     for fine in (("container=oci", f"container.image={bundle}"), ("container=apptainer", f"container.image={image}"),
                  ("container=apptainer", "container.image=docker://nvcr.io/nvidia/pytorch:24.05-py3"),
                  ("container=pyxis", "container.image='nvcr.io#nvidia/pytorch:24.05-py3'"),
                  ("container=charliecloud", "container.image=rec")):
         compose_job(*SLURM, *fine).container.check_here()
+
+
+def test_an_oci_bundle_must_mount_the_shared_paths_at_their_own_paths(tmp_path: Path) -> None:
+    bundle, submit_dir, store = tmp_path / "bundle", tmp_path / "work", tmp_path / "stores" / "criteo"
+    bundle.mkdir()
+    job = compose_job(*SLURM, "container=oci", f"container.image={bundle}")
+    for mounts, refused in (([(submit_dir, "/work")], submit_dir), ([(submit_dir, submit_dir)], store),
+                            ([(submit_dir, submit_dir), (tmp_path / "stores", tmp_path / "stores")], None)):
+        spec = {"mounts": [{"type": "bind", "source": str(a), "destination": str(b)} for a, b in mounts]}
+        (bundle / "config.json").write_text(json.dumps(spec))
+        if refused is None:
+            job.container.check_here([submit_dir, store])
+            continue
+        with pytest.raises(ConfigError, match=f"mounts {refused} at its own path"):
+            job.container.check_here([submit_dir, store])
+    (bundle / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="reads as one"):
+        job.container.check_here([submit_dir])
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root reads a file of mode 000")
@@ -247,5 +266,8 @@ def test_a_dry_run_prints_the_container_step_and_leaves_nothing(tmp_path: Path, 
                   f"container.image={image}", env=slurm)
     assert proc.returncode == 0, proc.stderr
     words = step_words(proc.stdout)
-    assert words[:2] == ["apptainer", "exec"] and f"{run_dir}:{run_dir}" in words and str(image) in words
+    assert words[:2] == ["apptainer", "exec"] and str(image) in words
+    # the submit dir (conftest.submit runs there) holds the run dir: one mount, at its own path, shows both
+    binds = [words[i + 1] for i, word in enumerate(words) if word == "--bind"]
+    assert binds == [f"{tmp_path}:{tmp_path}"] and words[words.index("--pwd") + 1] == str(tmp_path)
     assert not run_dir.exists()

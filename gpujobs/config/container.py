@@ -8,8 +8,10 @@ submit host can check beyond the config (an image file, a mount's host path) is 
 
 from __future__ import annotations
 
+import json
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple, Optional
@@ -134,14 +136,17 @@ class ContainerConfig(Checked):
         """Whether the ranks see the node's GPUs: `gpus`, or, where null, whether the job has any."""
         return self.gpus if self.gpus is not None else gpus_per_node > 0
 
-    def check_here(self) -> None:
+    def check_here(self, shared: Sequence[Path] = ()) -> None:
         """Submit side: refuse an image file that is missing or unreadable and a mount whose host path is missing
         (ConfigError naming the key, before anything is written). The nodes read both through storage they share
-        with this host; a name the runtime resolves (a registry reference) is not checked."""
+        with this host; a name the runtime resolves (a registry reference) is not checked. An OCI bundle must
+        mount each of the `shared` paths (the submit directory, the data store) at its own path."""
         if self.runtime == Runtime.none:
             return
         if self.image is not None and image_is_file(self.runtime, self.image):
             _check_readable("container.image", self.image, oci=self.runtime == Runtime.oci)
+            if self.runtime == Runtime.oci:
+                _check_bundle_mounts(self.image, shared)
         for index, mount in enumerate(self.parsed_mounts):
             if not os.path.exists(mount.host):
                 raise ConfigError(f"container.mounts[{index}]", self.mounts[index],
@@ -157,3 +162,18 @@ def _check_readable(key: str, image: str, *, oci: bool) -> None:
     target = path / "config.json" if oci else path
     if not os.access(target, os.R_OK) or (path.is_dir() and not os.access(path, os.R_OK | os.X_OK)):
         raise ConfigError(key, image, f"{wanted} this user can read ({target} is not readable)")
+
+
+def _check_bundle_mounts(bundle: str, shared: Sequence[Path]) -> None:
+    """Each of `shared` lies under a bind mount of the bundle's config.json whose source is its destination:
+    Slurm's srun --container adds no mounts of its own, so a path the job records would mean nothing inside."""
+    key, config = "container.image", Path(bundle) / "config.json"
+    try:
+        spec = json.loads(config.read_text())
+        same = [Path(m["source"]) for m in spec.get("mounts", []) if m.get("source") == m.get("destination")]
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as err:
+        raise ConfigError(key, bundle, f"an OCI bundle whose config.json reads as one ({err})") from None
+    for path in shared:
+        if not any(path == m or m in path.parents for m in same):
+            raise ConfigError(key, bundle, f"an OCI bundle whose config.json mounts {path} at its own path "
+                                           "(a bind mount whose source is its destination, or a directory above it)")
