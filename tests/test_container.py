@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from conftest import assert_golden, compose_job, submit
 
+from gpujobs.attempt.slurm_task import RANK_MODULE, parse_args
 from gpujobs.backends.slurm.container_step import CONTAINER_PYTHON
 from gpujobs.backends.slurm.sbatch import render_sbatch, sbatch_request
 from gpujobs.base.errors import ConfigError
@@ -62,8 +63,10 @@ def test_each_runtime_renders_its_golden_script(runtime: str) -> None:
     words = step_words(text)
     # the supervisor outside, with the submitting Python; the ranks inside, with the image's
     assert text.count("exec /venv/bin/python -u -m gpujobs.attempt.supervise -- srun ") == 1
-    rank = words.index("gpujobs.rank.srun")
+    rank = words.index(RANK_MODULE)
     assert words[rank - 3:rank] == [CONTAINER_PYTHON, "-u", "-m"] and "/venv/bin/python" not in words
+    # the supervisor finds the run dir in the srun line as it does without a container
+    assert parse_args(words[rank + 1:]).run_dir == Path("/runs/rec")
 
 
 @pytest.mark.parametrize("runtime", list(CASES))

@@ -69,8 +69,9 @@ def _check_container(job: JobConfig, backend: Backend) -> None:
         others = "".join(f", {r}" for r in sorted(backend.container_runtimes))
         raise ConfigError("container", runtime.value, f"none{others} on cluster={backend.name} "
                           f"(container={runtime} {runs} in this version)")
-    store = getattr(job.data, "store", None)  # a data config with a prepared store (it is absolute by now)
-    job.container.check_here([Path.cwd(), *([Path(store)] if store else [])])
+    if runtime != Runtime.none:
+        store = getattr(job.data, "store", None)  # a data config with a prepared store (it is absolute by now)
+        job.container.check_here([Path.cwd(), *([Path(store)] if store else [])])
 
 
 def _check_replay(job: JobConfig) -> None:
