@@ -44,6 +44,8 @@ class Backend(ABC):
     in them are refused at validation."""
     renders: ClassVar[bool] = False
     """It queues a script, which `render` gives and a dry run prints."""
+    container_runtimes: ClassVar[frozenset[str]] = frozenset()
+    """The `container=` runtimes its ranks run in (none is always run; another is refused at preflight)."""
 
     @abstractmethod
     def preflight(self, job: JobConfig, cache: Optional[PreflightCache] = None) -> None:

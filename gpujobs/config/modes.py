@@ -82,3 +82,14 @@ class Tracker(Choice):
     tensorboard = "tensorboard"
     mlflow = "mlflow"
 
+
+
+class Runtime(Choice):
+    """`container=`: the runtime the ranks' step runs in (`none`: the submitting Python, no container)."""
+
+    none = "none"
+    pyxis = "pyxis"
+    apptainer = "apptainer"
+    charliecloud = "charliecloud"
+    podman = "podman"
+    oci = "oci"

@@ -3,8 +3,8 @@
 YAML under `conf/` only sets values. A field's bounds come from what consumes it (Slurm, torch, the
 standard library) and are enforced by `gpujobs.config.validate` when the object is built; `gpujobs.config.load`
 builds these objects from a composed config. Sections with their own module are imported here, and their
-public names re-exported (`X as X`): `cluster` and `resources` (`gpujobs.config.cluster`), `logger`
-(`gpujobs.config.trackers`) and `nccl` (`gpujobs.config.nccl`).
+public names re-exported (`X as X`): `cluster` and `resources` (`gpujobs.config.cluster`), `container`
+(`gpujobs.config.container`), `logger` (`gpujobs.config.trackers`) and `nccl` (`gpujobs.config.nccl`).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from gpujobs.config.cluster import DIR_NAME, DIR_NAME_TEXT, ClusterConfig, Resou
 from gpujobs.config.cluster import SLURM_LIMIT_CHECK_S as SLURM_LIMIT_CHECK_S
 from gpujobs.config.cluster import SLURM_MAX_SIGNAL_LEAD_S as SLURM_MAX_SIGNAL_LEAD_S
 from gpujobs.config.cluster import parse_time_minutes as parse_time_minutes
+from gpujobs.config.container import ContainerConfig
 from gpujobs.config.modes import Amp, Balance, Optimizer, Schedule
 from gpujobs.config.nccl import NcclSettings
 from gpujobs.config.trackers import LoggerConfig
@@ -281,6 +282,7 @@ SECTIONS: dict[str, type[Any]] = {
     "trainer": TrainerConfig,
     "checkpoint": CheckpointConfig,
     "telemetry": TelemetryConfig,
+    "container": ContainerConfig,
 }
 PLUGINS = ("model", "data")
 #: What a file_sd target's name adds to the job name: `gpujobs-NAME-<16 hex>.json`, and `-<16 hex>` more
@@ -305,6 +307,8 @@ class JobConfig(Checked):
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    container: ContainerConfig = field(default_factory=ContainerConfig)
+    """The image the ranks run in (`container=none|pyxis|apptainer|charliecloud|podman|oci`)."""
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     model: Any = None
     """The model's schema object (a dataclass named by `_target_`)."""

@@ -6,10 +6,11 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Optional
 
-from gpujobs.backends import backend_for, resolve_cluster_name
-from gpujobs.backends.base import NO_SCRIPT
+from gpujobs.backends import backend_for, backend_named, names, resolve_cluster_name
+from gpujobs.backends.base import NO_SCRIPT, Backend
 from gpujobs.base.errors import ConfigError, SubmitError
 from gpujobs.config.load import JobConfig
+from gpujobs.config.modes import Runtime
 from gpujobs.config.validate import check_slurm_path
 from gpujobs.rundir import CONFIG_FILE
 from gpujobs.rundir.files import write_config
@@ -49,12 +50,28 @@ def preflight(job: JobConfig, cache: Optional[dict[Any, Any]] = None) -> None:
     backend = backend_for(job)
     if job.cluster.dry_run and not backend.renders:
         raise ConfigError("cluster.dry_run", True, NO_SCRIPT)
+    _check_container(job, backend)  # before anything else asks the cluster: nothing of it runs outside unasked
     job.logger.check_here()  # a tracker's package missing, a log dir that cannot be: refused here, not on the job side
     check_data = getattr(job.data, "check_here", None) if job.script is None else None  # a script reads no data
     if check_data is not None:  # e.g. a sample store missing or unfinished: refused here, not after the queue
         check_data(job)
     _check_replay(job)
     backend.preflight(job, cache)
+
+
+def _check_container(job: JobConfig, backend: Backend) -> None:
+    """`container=`: a runtime the chosen cluster runs the ranks in (none always is), an image file that exists
+    and can be read, mounts whose host paths exist (`ContainerConfig.check_here`)."""
+    runtime = job.container.runtime
+    if runtime != Runtime.none and runtime not in backend.container_runtimes:
+        where = [name for name in names() if runtime in backend_named(name).container_runtimes]
+        runs = f"runs on cluster={'|'.join(where)}" if where else "runs on no cluster"
+        others = "".join(f", {r}" for r in sorted(backend.container_runtimes))
+        raise ConfigError("container", runtime.value, f"none{others} on cluster={backend.name} "
+                          f"(container={runtime} {runs} in this version)")
+    if runtime != Runtime.none:
+        store = getattr(job.data, "store", None)  # a data config with a prepared store (it is absolute by now)
+        job.container.check_here([Path.cwd(), *([Path(store)] if store else [])])
 
 
 def _check_replay(job: JobConfig) -> None:

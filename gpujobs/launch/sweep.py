@@ -187,13 +187,14 @@ def chunks(points: list[Point], limit: int) -> list[list[Point]]:
 
 
 def header_groups(points: list[Point], folder: Path) -> list[list[Point]]:
-    """Points that can share one array: the same sbatch header (flags and environment), in sweep order."""
+    """Points that can share one array: the same sbatch header (flags and environment) and container step, in
+    sweep order."""
     from gpujobs.backends.slurm.sbatch import sbatch_request
 
     groups: dict[Any, list[Point]] = {}
     for point in points:
         request = sbatch_request(point.job, folder, "", array="-")
-        groups.setdefault((request.flags, request.env), []).append(point)
+        groups.setdefault((request.flags, request.env, request.container), []).append(point)
     return list(groups.values())
 
 

@@ -15,6 +15,7 @@ from typing import Optional
 from gpujobs.backends.base import Allocation, PreflightCache, Scheduler
 from gpujobs.backends.slurm import control, jobs, preflight, quarantine, sacct
 from gpujobs.backends.slurm.commands import SlurmCommandError
+from gpujobs.backends.slurm.container_step import SLURM_RUNTIMES
 from gpujobs.config.load import JobConfig
 
 #: scancel's reasons for a job that had already ended (one purged after MinJobAge is "invalid").
@@ -28,6 +29,7 @@ class SlurmBackend(Scheduler):
     shares_nodes = True
     parses_paths = True
     renders = True
+    container_runtimes = SLURM_RUNTIMES
     final_states = sacct.FINAL
     failed_states = sacct.FAILED
     cancelled_state = "CANCELLED"

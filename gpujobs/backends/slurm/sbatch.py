@@ -10,12 +10,13 @@ import dataclasses
 import functools
 import shlex
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 import jinja2
 
+from gpujobs.backends.slurm.container_step import ContainerStep, container_step, in_container
 from gpujobs.base.errors import ConfigError
 from gpujobs.base.nvml import CUDA_ORDER_ENV
 from gpujobs.config.load import JobConfig, ResourcesConfig
@@ -41,13 +42,21 @@ class SbatchRequest:
     that the ranks could not."""
     elastic: bool = False
     """`--nodes=MIN-MAX`: the script says that the world size is the allocation's."""
+    container: ContainerStep = field(default_factory=ContainerStep)
+    """The image the ranks' step runs in (`container=`), its words before `command`; empty: no container."""
 
     def __repr__(self) -> str:
         return render_sbatch(self)
 
 
-def sbatch_request(job: JobConfig, folder: Path, command: str, *, array: Optional[str] = None) -> SbatchRequest:
-    """The request for `job`, whose submitit files live in `folder`, running `command` on every task."""
+def sbatch_request(job: JobConfig, folder: Path, command: str, *, array: Optional[str] = None,
+                   submit_dir: Optional[Path] = None) -> SbatchRequest:
+    """The request for `job`, whose submitit files live in `folder`, running `command` on every task.
+
+    With a container, `command` (the submitting Python's) runs in it with the image's interpreter; `folder`'s
+    parent (the run dir, or the sweep dir holding an array's points) and `submit_dir` (default: here, where
+    sbatch is run) are mounted at their own paths.
+    """
     cluster, res = job.cluster, job.resources
     log_stem = str(Path(folder) / ("%A_%a" if array else "%j"))
     elastic = res.least_nodes < res.nodes
@@ -76,17 +85,19 @@ def sbatch_request(job: JobConfig, folder: Path, command: str, *, array: Optiona
         ("output", f"{log_stem}_0_log.out"),
         ("error", f"{log_stem}_0_log.err"),
     ]
+    step = container_step(job, Path(folder).parent, Path.cwd() if submit_dir is None else submit_dir)
     return SbatchRequest(
         flags=tuple(flags),
         # no run dir: one script serves every point of an array (and a rerun dir), so each rank sets the
         # files NCCL writes under its own run dir (`NcclSettings.export_env`), and the script names none
-        env=tuple(sorted({**job.nccl.to_env(), **CUDA_ORDER_ENV}.items())),
+        env=tuple(sorted({**job.nccl.to_env(), **CUDA_ORDER_ENV, **dict(step.env)}.items())),
         stdout=f"{log_stem}_%t_log.out",
         stderr=f"{log_stem}_%t_log.err",
-        command=command,
+        command=in_container(command) if step.runtime else command,
         signal_lead_s=cluster.signal_lead_s,
-        supervisor=supervisor_command(command),
+        supervisor=supervisor_command(command),  # outside: the submitting Python
         elastic=elastic,
+        container=step,
     )
 
 
