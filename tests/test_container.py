@@ -230,15 +230,6 @@ def test_an_oci_bundle_must_mount_the_shared_paths_at_their_own_paths(tmp_path: 
         job.container.check_here([submit_dir])
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root reads a file of mode 000")
-def test_an_unreadable_image_is_refused(tmp_path: Path) -> None:
-    image = tmp_path / "rec.sif"
-    image.write_bytes(b"SIF")
-    image.chmod(0)
-    with pytest.raises(ConfigError, match="not readable"):
-        compose_job(*SLURM, "container=apptainer", f"container.image={image}").container.check_here()
-
-
 @pytest.mark.parametrize(
     ("overrides", "key"),
     [
