@@ -263,3 +263,16 @@ def test_a_store_prepared_by_worker_processes_holds_read_criteo_tsv_values(tmp_p
     store = SampleStore.open(tmp_path / "store", parser.name, parser.settings())
     rows = store.take("train", np.arange(300))
     _assert_same_as_today(rows, whole, 500)
+
+
+def test_a_plan_gives_the_parser_the_cores_a_worker_has_and_its_output_stays(tmp_path: Path) -> None:
+    """`with_cores` sets the threads of a parser that has them (not its settings, so not the store it makes);
+    a parser without them (the toy's) is left as it is."""
+    from data_toy_parser import ToyParser
+
+    plan = PreparePlan(tmp_path / "store", {"train": (), "eval": ()}, CriteoParser(1000), "fail")
+    wide = plan.with_cores(4)
+    assert isinstance(wide.parser, CriteoParser) and wide.parser.threads == 4
+    assert wide.prepared_with() == plan.prepared_with() and plan.with_cores(0).parser.threads == 1  # type: ignore[attr-defined]
+    toy = PreparePlan(tmp_path / "store", {"train": (), "eval": ()}, ToyParser(), "fail")
+    assert toy.with_cores(4) is toy

@@ -23,7 +23,7 @@ from gpujobs.base.atomic import fsync_path
 from gpujobs.base.errors import GpujobsError
 from gpujobs.data.layout import StoreLayout, shard_name
 from gpujobs.data.manifest import Manifest, ShardRecord, StoreError
-from gpujobs.data.prepare import PreparePlan, finish_prepare, prepare_shard
+from gpujobs.data.prepare import PreparePlan, available_cores, finish_prepare, prepare_shard
 from gpujobs.data.shard_writer import published_shard
 
 #: The store's folder of a prepare queued as a job array: its task plan and the tasks' logs.
@@ -101,7 +101,7 @@ def run_task(store: Path, index: int) -> Optional[Manifest]:
     if not 0 <= index < len(task_plan.todo):
         raise StoreError(store, f"its queued prepare has tasks 0..{len(task_plan.todo) - 1}, not {index}")
     split, number = task_plan.todo[index]
-    record = prepare_shard(task_plan.plan, split, number)
+    record = prepare_shard(task_plan.plan.with_cores(available_cores()), split, number)  # the task's CPUs
     print(f"gpujobs prepare: shard {record.name}: {record.rows} rows from {record.source.path}"
           f"{f', {record.bad_lines} bad lines skipped' if record.bad_lines else ''}", flush=True)
     records = complete_records(task_plan.plan)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import errno
 import fcntl
 import glob
@@ -54,6 +55,8 @@ class RowParser(Protocol):
 
     `name` ("jobs.rec.criteo:CriteoParser") and `settings()` are recorded in the manifest and compared
     when the store is opened; `parse` raises BadLineError under bad_lines="fail" and counts under "skip".
+    A parser that is a dataclass with an int field `threads` (which must not change its output) is given
+    the cores each worker has to itself (`PreparePlan.with_cores`).
     """
 
     @property
@@ -79,6 +82,13 @@ class PreparePlan:
     def shards(self) -> tuple[tuple[str, int], ...]:
         """(split, index) of every shard, in manifest order."""
         return tuple((split, index) for split in SPLITS for index in range(len(self.splits.get(split, ()))))
+
+    def with_cores(self, cores: int) -> PreparePlan:
+        """The plan whose parser uses `cores` threads where it has a `threads` field (one big file on a node
+        parses on all its cores; many files, a worker process per core, one thread each)."""
+        if dataclasses.is_dataclass(self.parser) and "threads" in {f.name for f in dataclasses.fields(self.parser)}:
+            return dataclasses.replace(self, parser=dataclasses.replace(self.parser, threads=max(1, cores)))
+        return self
 
     def prepared_with(self) -> dict[str, Any]:
         """What the shards depend on besides their input files."""
@@ -216,12 +226,18 @@ def prepare_store(plan: PreparePlan, workers: int = 1, log: Callable[[str], None
     with prepare_lock(plan.store):
         under_lock()
         todo = start_prepare(plan, log)
+        plan = plan.with_cores(available_cores() // max(1, min(workers, len(todo))))
         done = _run_shards(plan, todo, workers, log)
         records = [done.get((split, index)) or prepare_shard(plan, split, index) for split, index in plan.shards()]
         manifest = finish_prepare(plan, records)
     log(f"data.store: {plan.store} is ready: {manifest.rows('train')} train rows, {manifest.rows('eval')} eval rows "
         f"in {len(records)} shards ({len(todo)} prepared now)")
     return manifest
+
+
+def available_cores() -> int:
+    """The CPUs this process may run on (a Slurm task's allocation, a container's cpuset)."""
+    return len(os.sched_getaffinity(0))
 
 
 def make_store(store: Path) -> None:
