@@ -58,14 +58,17 @@ def write_day(path: Path, lines: list[str]) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def days(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Two train days (one plain, one gzip) and one gzip eval file."""
-    folder = tmp_path_factory.mktemp("days")
+def write_days(folder: Path) -> Path:
+    """Two train days (one plain, one gzip) and one gzip eval file in `folder`."""
     write_day(folder / "day_0.tsv", criteo_lines(DAY_ROWS, 0))
     write_day(folder / "day_1.tsv.gz", criteo_lines(DAY_ROWS, 1))
     write_day(folder / "eval_0.tsv.gz", criteo_lines(EVAL_ROWS, 2))
     return folder
+
+
+@pytest.fixture(scope="module")
+def days(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_days(tmp_path_factory.mktemp("days"))
 
 
 def criteo(days: Path, store: Path, *more: str) -> tuple[str, ...]:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from test_data_prepare import fingerprint
-from test_prepare_cli import DAY_ROWS, EVAL_ROWS, criteo, criteo_lines, prepare, write_day
+from test_prepare_cli import criteo, prepare, write_days
 
 from gpujobs.data.manifest import read_manifest
 
@@ -21,12 +21,7 @@ pytestmark = pytest.mark.slurm
 
 @pytest.fixture(scope="module")
 def days(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Two train days (one plain, one gzip) and one gzip eval file, as test_prepare_cli's."""
-    folder = tmp_path_factory.mktemp("days")
-    write_day(folder / "day_0.tsv", criteo_lines(DAY_ROWS, 0))
-    write_day(folder / "day_1.tsv.gz", criteo_lines(DAY_ROWS, 1))
-    write_day(folder / "eval_0.tsv.gz", criteo_lines(EVAL_ROWS, 2))
-    return folder
+    return write_days(tmp_path_factory.mktemp("days"))
 
 
 def prepare_on_slurm(days: Path, store: Path, slurm: dict[str, str], *more: str,
