@@ -14,9 +14,8 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from gpujobs.backends.slurm.commands import last_line, slurm_command
-from gpujobs.backends.slurm.sbatch import template
-from gpujobs.base.errors import SubmitError
+from gpujobs.backends.slurm.queue import sbatch_parsable
+from gpujobs.backends.slurm.sbatch import placement_flags, template
 from gpujobs.config.load import JobConfig
 from gpujobs.config.validate import check_slurm_path
 
@@ -31,12 +30,8 @@ def prepare_flags(job: JobConfig, logs: Path, tasks: int, at_once: Optional[int]
     array = f"0-{tasks - 1}" + (f"%{at_once}" if at_once else "")
     flags: list[tuple[str, Optional[str]]] = [
         ("job-name", f"{job.name}-prepare"), ("array", array), ("nodes", "1"), ("ntasks", "1"),
-        ("cpus-per-task", str(res.cpus_per_task)), ("time", str(cluster.timeout_min)),
+        ("cpus-per-task", str(res.cpus_per_task)), ("time", str(cluster.timeout_min)), *placement_flags(cluster),
     ]
-    for key in ("partition", "account", "qos", "constraint", "exclude"):
-        value = getattr(cluster, key)
-        if value is not None:
-            flags.append((key, value))
     flags += [("requeue", None), ("open-mode", "append"),
               ("output", str(logs / "%A_%a.out")), ("error", str(logs / "%A_%a.err"))]
     return flags
@@ -57,9 +52,4 @@ def queue_prepare(job: JobConfig, store: Path, logs: Path, tasks: int, at_once: 
     logs.mkdir(mode=0o700, parents=True, exist_ok=True)  # Slurm makes no directories for --output
     kept = logs.parent / "prepare.sbatch"
     kept.write_text(script)
-    proc = slurm_command(["sbatch", "--parsable", str(kept)], check=False)
-    job_id = proc.stdout.strip().split(";")[0]
-    if proc.returncode != 0 or not job_id.isdigit():
-        said = last_line(proc.stderr) or last_line(proc.stdout) or f"exit status {proc.returncode}"
-        raise SubmitError(f"sbatch refused the prepare's job array: {said}")
-    return job_id
+    return sbatch_parsable(kept, "the prepare's job array")

@@ -37,17 +37,27 @@ def queue_single(job: JobConfig, run_dir: Path) -> str:
     folder.mkdir(parents=True, exist_ok=True)  # the tasks' logs go there: Slurm makes no directories
     queued = folder / f".submission_file_{secrets.token_hex(16)}.sh"
     queued.write_text(script)
-    proc = slurm_command(["sbatch", "--parsable", str(queued)], check=False)
-    job_id = proc.stdout.strip().split(";")[0]
-    if proc.returncode != 0 or not job_id.isdigit():
+    try:
+        job_id = sbatch_parsable(queued, "the job")
+    except SubmitError:
         queued.unlink(missing_ok=True)
         if made:
             with contextlib.suppress(OSError):
                 folder.rmdir()
-        said = last_line(proc.stderr) or last_line(proc.stdout) or f"exit status {proc.returncode}"
-        raise SubmitError(f"sbatch refused the job: {said}")
+        raise
     queued.rename(folder / f"{job_id}_submission.sh")
     lease.replace(run_dir, lease.here(job_id))
     write_text_atomic(run_dir / SBATCH_FILE, script)
     record_submission(run_dir, job_id, folder)
+    return job_id
+
+
+def sbatch_parsable(script: Path, what: str) -> str:
+    """Queue `script` with `sbatch --parsable`; the job id. SubmitError "sbatch refused WHAT: its reason" when
+    it refuses (its last stderr line, else stdout's, else the exit status)."""
+    proc = slurm_command(["sbatch", "--parsable", str(script)], check=False)
+    job_id = proc.stdout.strip().split(";")[0]
+    if proc.returncode != 0 or not job_id.isdigit():
+        said = last_line(proc.stderr) or last_line(proc.stdout) or f"exit status {proc.returncode}"
+        raise SubmitError(f"sbatch refused {what}: {said}")
     return job_id

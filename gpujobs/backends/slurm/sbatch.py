@@ -19,7 +19,7 @@ import jinja2
 from gpujobs.backends.slurm.container_step import ContainerStep, container_step, in_container
 from gpujobs.base.errors import ConfigError
 from gpujobs.base.nvml import CUDA_ORDER_ENV
-from gpujobs.config.load import JobConfig, ResourcesConfig
+from gpujobs.config.load import ClusterConfig, JobConfig, ResourcesConfig
 from gpujobs.config.packaged import TEMPLATE_DIR_ENV, template_dir
 
 #: sbatch_templates/ (the checkout's or the wheel's copy); GPUJOBS_SBATCH_TEMPLATES points elsewhere.
@@ -72,10 +72,7 @@ def sbatch_request(job: JobConfig, folder: Path, command: str, *, array: Optiona
     if res.mem_gb is not None:
         flags.append(("mem", f"{int(res.mem_gb * 1024)}M"))
     flags.append(("time", str(cluster.timeout_min)))
-    for key in ("partition", "account", "qos", "constraint", "exclude"):
-        value = getattr(cluster, key)
-        if value is not None:
-            flags.append((key, value))
+    flags += placement_flags(cluster)
     if array is not None:
         flags.append(("array", array))
     flags += [
@@ -99,6 +96,12 @@ def sbatch_request(job: JobConfig, folder: Path, command: str, *, array: Optiona
         elastic=elastic,
         container=step,
     )
+
+
+def placement_flags(cluster: ClusterConfig) -> list[tuple[str, Optional[str]]]:
+    """Where the cluster config places a job: partition, account, qos, constraint, exclude (those set)."""
+    keys = ("partition", "account", "qos", "constraint", "exclude")
+    return [(key, getattr(cluster, key)) for key in keys if getattr(cluster, key) is not None]
 
 
 def nodes_flag(res: ResourcesConfig) -> str:
