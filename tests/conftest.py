@@ -189,3 +189,35 @@ def sacct_state(job_id: str, env: dict[str, str], timeout: float = 60) -> str:
             return state
         time.sleep(0.5)
     return state
+
+
+def _test_image(kind: str) -> str:
+    """The test container image of scripts/test-image.sh (built once, cached): its last line. `kind` ''
+    gives the image directory (ch-run), 'podman' the name of the same image in Podman's storage.
+    GPUJOBS_TEST_IMAGE_DIR / GPUJOBS_TEST_PODMAN_IMAGE, where set, name one already built."""
+    preset = os.environ.get("GPUJOBS_TEST_PODMAN_IMAGE" if kind else "GPUJOBS_TEST_IMAGE_DIR")
+    if preset:
+        return preset
+    script = Path(__file__).resolve().parent.parent / "scripts" / "test-image.sh"
+    proc = subprocess.run(["bash", str(script), *([kind] if kind else [])], capture_output=True, text=True)
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        missing(f"the test container image (scripts/test-image.sh {kind} exited {proc.returncode}): "
+                f"{proc.stderr.strip()[-2000:]}")
+    return lines[-1]
+
+
+@pytest.fixture(scope="session")
+def image_dir() -> Path:
+    """The test image as a directory (Debian with python3, torch and the project's dependencies), for ch-run."""
+    if shutil.which("ch-run") is None:
+        missing("Charliecloud's ch-run (Debian package charliecloud-runtime)")
+    return Path(_test_image(""))
+
+
+@pytest.fixture(scope="session")
+def podman_image() -> str:
+    """The same test image in Podman's storage (its name), for podman with crun."""
+    if shutil.which("podman") is None:
+        missing("podman (Debian packages podman and crun)")
+    return _test_image("podman")
