@@ -191,33 +191,57 @@ def sacct_state(job_id: str, env: dict[str, str], timeout: float = 60) -> str:
     return state
 
 
-def _test_image(kind: str) -> str:
-    """The test container image of scripts/test-image.sh (built once, cached): its last line. `kind` ''
-    gives the image directory (ch-run), 'podman' the name of the same image in Podman's storage.
-    GPUJOBS_TEST_IMAGE_DIR / GPUJOBS_TEST_PODMAN_IMAGE, where set, name one already built."""
-    preset = os.environ.get("GPUJOBS_TEST_PODMAN_IMAGE" if kind else "GPUJOBS_TEST_IMAGE_DIR")
-    if preset:
-        return preset
-    script = Path(__file__).resolve().parent.parent / "scripts" / "test-image.sh"
-    proc = subprocess.run(["bash", str(script), *([kind] if kind else [])], capture_output=True, text=True)
+def run_test_image(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run scripts/test-image.sh (`args`: none, or "podman") with this interpreter's pip and torch version."""
+    script = REPO / "scripts" / "test-image.sh"
+    full_env = {**os.environ, "GPUJOBS_TEST_IMAGE_PYTHON": sys.executable, **(env or {})}
+    return subprocess.run(["bash", str(script), *args], capture_output=True, text=True, env=full_env)
+
+
+def _test_image(*args: str) -> list[str]:
+    """The stdout lines of scripts/test-image.sh (which builds the image once and caches it); the last one
+    names the image: its directory (ch-run), or with `podman` its name in Podman's storage."""
+    proc = run_test_image(*args)
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
-        missing(f"the test container image (scripts/test-image.sh {kind} exited {proc.returncode}): "
+        missing(f"the test container image (scripts/test-image.sh {' '.join(args)} exited {proc.returncode}): "
                 f"{proc.stderr.strip()[-2000:]}")
-    return lines[-1]
+    return lines
 
 
 @pytest.fixture(scope="session")
 def image_dir() -> Path:
-    """The test image as a directory (Debian with python3, torch and the project's dependencies), for ch-run."""
+    """The test image as a directory (Debian with python3, torch and the project's dependencies), for ch-run.
+    GPUJOBS_TEST_IMAGE_DIR, where set, names one already built."""
     if shutil.which("ch-run") is None:
         missing("Charliecloud's ch-run (Debian package charliecloud-runtime)")
-    return Path(_test_image(""))
+    return Path(os.environ.get("GPUJOBS_TEST_IMAGE_DIR") or _test_image()[-1])
 
 
 @pytest.fixture(scope="session")
-def podman_image() -> str:
-    """The same test image in Podman's storage (its name), for podman with crun."""
+def _podman() -> tuple[str, dict[str, str]]:
+    """The test image in Podman's storage, and the environment podman needs here (`podman_env`)."""
     if shutil.which("podman") is None:
         missing("podman (Debian packages podman and crun)")
-    return _test_image("podman")
+    preset = os.environ.get("GPUJOBS_TEST_PODMAN_IMAGE")
+    if preset:
+        return preset, {}
+    lines = _test_image("podman")
+    # the lines before the name: NAME=VALUE settings podman needs (CONTAINERS_CONF)
+    env = {name: value for name, _, value in (line.partition("=") for line in lines[:-1])}
+    return lines[-1], env
+
+
+@pytest.fixture(scope="session")
+def podman_image(_podman: tuple[str, dict[str, str]]) -> str:
+    """The same test image in Podman's storage (its name), for podman with crun. GPUJOBS_TEST_PODMAN_IMAGE,
+    where set, names one already imported (then podman_env is empty: set CONTAINERS_CONF yourself)."""
+    return _podman[0]
+
+
+@pytest.fixture(scope="session")
+def podman_env(_podman: tuple[str, dict[str, str]]) -> dict[str, str]:
+    """What every podman command of a test needs in its environment here, e.g. `submit(..., env=podman_env)`:
+    CONTAINERS_CONF, a containers.conf of scripts/test-image.sh whose default_ulimits stay within podman's
+    own hard limits (as root podman asks for nofile 1048576, which this VM refuses)."""
+    return _podman[1]
