@@ -198,3 +198,32 @@ def test_a_ch_run_image_without_a_mount_s_directory_is_refused(tmp_path: Path) -
     assert proc.returncode == 2 and len(lines) == 1 and "container.image=" in lines[0], proc.stderr
     assert "for the mount of" in lines[0] and f"mkdir -p {image}/data" in lines[0], lines
     assert not run_dir.exists()
+
+
+def test_the_podman_and_apptainer_words_are_their_documented_options(tmp_path: Path) -> None:
+    """Podman's options, checked against `podman run --help` here; apptainer (not installed here) gets the
+    words its Slurm step has. GPUs through CDI; `--userns=keep-id` only for a user who is not root."""
+    from gpujobs.backends.container_words import same_path_mounts
+    from gpujobs.backends.local.container import podman_words
+
+    job = compose_job("+experiment=rec", "cluster=local", "container=podman", "container.image=localhost/rec:1",
+                      "container.env=[HF_TOKEN]")
+    mounts = same_path_mounts(job, tmp_path / "run", tmp_path)
+    words = podman_words(job.container, mounts, str(tmp_path), True, tmp_path / "run", root=False)
+    assert words[:2] == ("podman", "run") and words[-1] == "localhost/rec:1"
+    assert "--userns=keep-id" in words and words[words.index("--device") + 1] == "nvidia.com/gpu=all"
+    assert [words[i + 1] for i, w in enumerate(words) if w == "-v"] == [f"{tmp_path}:{tmp_path}"]
+    named = [words[i + 1] for i, w in enumerate(words) if w == "--env"]
+    assert {"SUBMITIT_*", "GPUJOBS_*", "HF_TOKEN"} <= set(named)
+    root = podman_words(job.container, mounts, str(tmp_path), False, tmp_path / "run", root=True)
+    assert "--userns=keep-id" not in root and "--device" not in root
+    if shutil.which("podman") is None:
+        missing("podman (Debian packages podman and crun)")
+    documented = subprocess.run(["podman", "run", "--help"], capture_output=True, text=True, check=True).stdout
+    for option in {w.split("=")[0] for w in words if w.startswith("-")}:
+        assert re.search(rf"(^|[\s,]){re.escape(option)}[\s=,]", documented, re.M), option
+
+    apptainer = compose_job("+experiment=rec", "cluster=local", "container=apptainer", "container.image=/i/rec.sif")
+    argv = shlex.split(rank_python(apptainer, tmp_path / "run", tmp_path))
+    assert argv == ["apptainer", "exec", "--bind", f"{tmp_path}:{tmp_path}", "--pwd", str(tmp_path), "/i/rec.sif",
+                    "python3"]
