@@ -54,7 +54,7 @@ def contained_ranks(job: RunningJob, runtime: str) -> dict[int, int]:
     the job id submitit gives each rank, and the runtime's own mark)."""
     controller = re.findall(r"local job (\d+)", job.output())[-1].encode()
     name, value = MARKER[runtime]
-    found: dict[int, tuple[int, int]] = {}
+    found: dict[int, int] = {}
     for environ in Path("/proc").glob("[0-9]*/environ"):
         try:
             env = dict(item.split(b"=", 1) for item in environ.read_bytes().split(b"\0") if b"=" in item)
@@ -63,8 +63,8 @@ def contained_ranks(job: RunningJob, runtime: str) -> dict[int, int]:
         if env.get(b"SUBMITIT_LOCAL_JOB_ID") != controller or name not in env or value not in (None, env[name]):
             continue
         pid, rank = int(environ.parent.name), int(env[b"SUBMITIT_LOCAL_GLOBALID"])
-        found[rank] = min(found.get(rank, (pid, pid)), (pid, pid))  # a rank's own children start after it
-    return {rank: pid for rank, (pid, _) in found.items()}
+        found[rank] = min(found.get(rank, pid), pid)  # the rank itself, not a process it started later
+    return found
 
 
 def job_leftovers(run_dir: Path, pids: dict[int, int]) -> tuple[list[int], str]:
@@ -72,8 +72,7 @@ def job_leftovers(run_dir: Path, pids: dict[int, int]) -> tuple[list[int], str]:
     ps = ["podman", "ps", "-a", "-q", "--filter", f"label=gpujobs.run_dir={run_dir}"]
     deadline = time.monotonic() + 10  # conmon removes a container (--rm) just after its rank exits
     while True:
-        listed = subprocess.run(ps, capture_output=True, text=True, check=True).stdout.strip() \
-            if shutil.which("podman") else ""
+        listed = subprocess.run(ps, capture_output=True, text=True).stdout.strip() if shutil.which("podman") else ""
         if not listed or time.monotonic() > deadline:
             return [pid for pid in pids.values() if alive(pid)], listed
         time.sleep(0.5)
