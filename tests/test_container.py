@@ -177,10 +177,9 @@ def test_relative_image_files_and_host_paths_are_made_absolute(tmp_path: Path, m
     assert named.container.image == "docker://debian:12"  # a name the runtime resolves, not a file
 
 
-@pytest.mark.parametrize("cluster", ["local", "debug"])
-def test_a_container_on_a_cluster_that_runs_none_is_refused(cluster: str) -> None:
-    job = compose_job("+experiment=rec", f"cluster={cluster}", "container=charliecloud", "container.image=name")
-    with pytest.raises(ConfigError, match="container=charliecloud runs on cluster=slurm in this version"):
+def test_a_container_on_a_cluster_that_runs_none_is_refused() -> None:
+    job = compose_job("+experiment=rec", "cluster=debug", "container=charliecloud", "container.image=name")
+    with pytest.raises(ConfigError, match=r"container=charliecloud runs on cluster=local\|slurm in this version"):
         preflight(job)
 
 

@@ -250,3 +250,21 @@ def descendants(root: int) -> list[int]:
             found.append(child)
             todo.append(child)
     return found
+
+
+def local_job_processes(controller: int, *, below: bool = True) -> list[int]:
+    """The processes of local job `controller` (submitit's controller pid, its job id): those below it in the
+    process tree (`below`: not once the controller has exited, when its pid may be another's), and those whose
+    environment names it (SUBMITIT_LOCAL_JOB_ID, which every rank inherits): a rank in a podman container is
+    the child of podman's conmon, not of its controller."""
+    found = descendants(controller) if below else []
+    tag = f"SUBMITIT_LOCAL_JOB_ID={controller}".encode()
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            named = tag in environ.read_bytes().split(b"\0")
+        except OSError:  # gone, or another user's
+            continue
+        pid = int(environ.parent.name)
+        if named and pid not in found and pid != os.getpid():
+            found.append(pid)
+    return found

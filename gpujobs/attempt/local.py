@@ -18,13 +18,14 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, Optional
 
 from gpujobs.attempt import failures
-from gpujobs.attempt.evidence import descendants, kill_tree
+from gpujobs.attempt.evidence import kill_tree, local_job_processes
 from gpujobs.attempt.file_sd import withdraw_left_target
 from gpujobs.attempt.hangs import HangReport, HangWatchdog
 from gpujobs.attempt.judge import AttemptEnd, Verdict, judge, record_or_say, record_verdict
 from gpujobs.attempt.program import FROM_RUN_DIR, RankProgram
 from gpujobs.backends.follow import JobFollower
 from gpujobs.backends.jobenv import free_port
+from gpujobs.backends.local.container import RUNTIME_CLIENTS, rank_python
 from gpujobs.base.process import process_start
 from gpujobs.config.load import JobConfig
 from gpujobs.config.nccl import GLOO_ON_CUDA_ENV
@@ -45,7 +46,9 @@ def run_local(job: JobConfig, run_dir: Path) -> int:
     gpus = choose_local_gpus(res)
     if os.environ.get(GLOO_ON_CUDA_ENV) == "1":  # check-only: the ranks share the GPUs there are
         gpus = gpus[:local_gpu_count()]
-    executor = submitit.LocalExecutor(folder=run_dir / job.cluster.folder)
+    # each rank task runs `python` (the runtime's argv and the image's python3 where container= names one);
+    # the controller, which follows them, stays this Python, outside
+    executor = submitit.LocalExecutor(folder=run_dir / job.cluster.folder, python=rank_python(job, run_dir, Path.cwd()))
     executor.update_parameters(
         nodes=1,
         tasks_per_node=res.ranks_per_node,
@@ -110,6 +113,7 @@ def _follow_attempt(job: JobConfig, run_dir: Path, executor: Any, gpus: list[Gpu
     try:
         error = follower.follow(sjob, tick=tick)
     finally:  # the ranks are gone: a target rank 0 could not withdraw (killed) goes with them
+        _kill_left(sjob)
         withdraw_left_target(run_dir)
     hang = watchdog.report if watchdog is not None else None
     verdict = judge(_attempt_end(job, attempts, before, started, error, hang, f"local:{sjob.job_id}"))
@@ -209,13 +213,23 @@ class LauncherSignals:
         a later poll) and a script that installed a handler of its own. The flag drops once all ranks have it."""
         if not self.stop_asked:
             return
-        ready = {pid: parent for pid in descendants(controller)
-                 if (parent := _parent_if_catching(pid, _STOP_AND_REQUEUE)) is not None}
+        job = local_job_processes(controller)
+        ready = {pid: parent for pid in job
+                 if not _runtime_client(pid) and (parent := _parent_if_catching(pid, _STOP_AND_REQUEUE)) is not None}
         for pid in ready:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, _STOP_AND_REQUEUE)
-        if list(ready.values()).count(controller) >= ranks:
+        # a rank is its task's first process: the controller's child, or in podman conmon's (neither is the job's)
+        if sum(parent not in job for parent in ready.values()) >= ranks:
             self.stop_asked = False
+
+
+def _runtime_client(pid: int) -> bool:
+    """Whether `pid` is a container runtime's client that waits for a rank running elsewhere (podman's)."""
+    try:
+        return Path(os.readlink(f"/proc/{pid}/exe")).name in RUNTIME_CLIENTS
+    except OSError:
+        return False
 
 
 def _parent_if_catching(pid: int, signum: int) -> Optional[int]:
@@ -247,6 +261,17 @@ def _record_interrupt(job: JobConfig, attempts: AttemptLog, before: int, sjob: A
 def _kill_local_job(sjob: Any) -> None:
     """SIGKILL every process of the local job (its controller, the ranks and anything they started)."""
     controller = int(sjob.job_id)
-    left = kill_tree([*descendants(controller), controller])
+    left = kill_tree([*local_job_processes(controller), controller])
+    if left:
+        print(f"gpujobs: processes {left} of local job {sjob.job_id} outlived SIGKILL", flush=True)
+
+
+def _kill_left(sjob: Any) -> None:
+    """After an attempt's controller is gone, SIGKILL what is left of its job: a rank in a podman container
+    outlives its controller, which can only kill podman's client (conmon parents the rank), and would go on
+    until gloo timed out. Not the controller's pid: it is free for reuse once it has exited."""
+    if not sjob.done():
+        return  # the launcher was interrupted: `_kill_local_job` takes the whole job
+    left = kill_tree(local_job_processes(int(sjob.job_id), below=False))
     if left:
         print(f"gpujobs: processes {left} of local job {sjob.job_id} outlived SIGKILL", flush=True)

@@ -57,13 +57,14 @@ def parse_mount(key: str, text: str) -> Mount:
 def image_is_file(runtime: Runtime, image: str) -> bool:
     """Whether `image` names a file or directory (checked at preflight, made absolute), not a name the runtime
     resolves itself: a URI (`docker://`, `oras://`) never is; for pyxis a path starts with `/` or `.` (else it
-    is an enroot reference such as `nvcr.io#nvidia/pytorch:24.05-py3`); for Charliecloud and Podman it holds a
-    `/` (else it is a name in the runtime's storage); an apptainer image or an OCI bundle always is one."""
-    if _URI.match(image):
+    is an enroot reference such as `nvcr.io#nvidia/pytorch:24.05-py3`); for Charliecloud it holds a `/` (else
+    it is a name in ch-image's storage); for Podman never (`localhost/rec:1` and `docker.io/library/debian`
+    are names in its storage or a registry's); an apptainer image or an OCI bundle always is one."""
+    if _URI.match(image) or runtime == Runtime.podman:
         return False
     if runtime == Runtime.pyxis:
         return image.startswith(("/", "."))
-    if runtime in (Runtime.charliecloud, Runtime.podman):
+    if runtime == Runtime.charliecloud:
         return "/" in image
     return runtime in (Runtime.apptainer, Runtime.oci)
 

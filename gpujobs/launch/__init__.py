@@ -8,6 +8,7 @@ from typing import Any, Optional
 
 from gpujobs.backends import backend_for, backend_named, names, resolve_cluster_name
 from gpujobs.backends.base import NO_SCRIPT, Backend
+from gpujobs.backends.container_words import SRUN_OPTIONS
 from gpujobs.base.errors import ConfigError, SubmitError
 from gpujobs.config.load import JobConfig
 from gpujobs.config.modes import Runtime
@@ -66,9 +67,10 @@ def _check_container(job: JobConfig, backend: Backend) -> None:
     if runtime != Runtime.none and runtime not in backend.container_runtimes:
         where = [name for name in names() if runtime in backend_named(name).container_runtimes]
         runs = f"runs on cluster={'|'.join(where)}" if where else "runs on no cluster"
+        why = f": it is {SRUN_OPTIONS[runtime]}" if runtime in SRUN_OPTIONS else " in this version"
         others = "".join(f", {r}" for r in sorted(backend.container_runtimes))
         raise ConfigError("container", runtime.value, f"none{others} on cluster={backend.name} "
-                          f"(container={runtime} {runs} in this version)")
+                          f"(container={runtime} {runs}{why})")
     if runtime != Runtime.none:
         store = getattr(job.data, "store", None)  # a data config with a prepared store (it is absolute by now)
         job.container.check_here([Path.cwd(), *([Path(store)] if store else [])])

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Optional
 
 from gpujobs.backends.base import Backend, PreflightCache
+from gpujobs.backends.local.container import LOCAL_RUNTIMES, check_local_container
 from gpujobs.backends.local.gpus import local_gpu_count
 from gpujobs.base.errors import ConfigError
 from gpujobs.config.load import JobConfig
@@ -43,10 +44,13 @@ class LocalBackend(Backend):
     """Ranks as processes here (one per GPU, or CPU ranks with gloo), restarted after a failure."""
 
     name = "local"
+    container_runtimes = frozenset(LOCAL_RUNTIMES)
 
     def preflight(self, job: JobConfig, cache: Optional[PreflightCache] = None) -> None:
         check_local_resources(job, local_gpu_count())
+        check_local_container(job, Path.cwd())  # the ranks start in the submit directory
 
     def start(self, job: JobConfig, run_dir: Path) -> int:
+        check_local_container(job, Path.cwd(), run_dir)  # its mount too, now that the run dir is known
         run_local = importlib.import_module(LAUNCHER).run_local
         return int(run_local(job, run_dir))

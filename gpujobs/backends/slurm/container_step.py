@@ -4,7 +4,8 @@
 each; the supervisor, which runs the srun line, stays outside in the batch step. The run dir (a sweep's dir
 for an array), the submit directory and the data store are mounted at their own paths, so every path in the
 config, the ledger and the logs means the same inside and out. Each runtime's words are the ones it documents:
-pyxis (github.com/NVIDIA/pyxis/wiki/Usage), `apptainer exec`, Charliecloud's `ch-run`, Slurm's `srun --container`.
+pyxis (github.com/NVIDIA/pyxis/wiki/Usage), `apptainer exec`, Charliecloud's `ch-run`, Slurm's `srun --container`;
+the mounts and the argv a local run shares are `gpujobs.backends.container_words`'.
 """
 
 from __future__ import annotations
@@ -12,15 +13,12 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
 
+from gpujobs.backends.container_words import CONTAINER_PYTHON, apptainer_words, ch_run_words, same_path_mounts
 from gpujobs.config.container import ContainerConfig, Mount
 from gpujobs.config.load import JobConfig
 from gpujobs.config.modes import Runtime
 
-#: The interpreter the ranks run inside: the image's, found on its PATH (the submitting Python's path means
-#: nothing there). Debian-based images, NGC's and Apptainer's all have `python3`.
-CONTAINER_PYTHON = "python3"
 #: The runtimes a Slurm job's step runs in.
 SLURM_RUNTIMES = frozenset({Runtime.pyxis, Runtime.apptainer, Runtime.charliecloud, Runtime.oci})
 #: enroot's GPU hook stands down where the image's NVIDIA_VISIBLE_DEVICES is `void` (pyxis, container.gpus=false).
@@ -41,19 +39,6 @@ class ContainerStep:
     """Variables the script exports for the runtime (pyxis without GPUs: NVIDIA_VISIBLE_DEVICES=void)."""
 
 
-def same_path_mounts(job: JobConfig, root: Path, submit_dir: Path) -> list[Mount]:
-    """The mounts every containerized step has, each at its own path: the submit directory, `root` (the run
-    dir, or a sweep's dir holding its points) and the data store where the data config has one; a path under
-    one already mounted is left out (it is there), then `container.mounts` as given."""
-    store: Optional[Any] = getattr(job.data, "store", None)
-    paths = [submit_dir, root] + ([submit_dir / str(store)] if store else [])  # an absolute store stays itself
-    kept: list[Path] = []
-    for path in paths:
-        if not any(path == seen or seen in path.parents for seen in kept):
-            kept.append(path)
-    return [Mount(str(p), str(p)) for p in kept] + job.container.parsed_mounts
-
-
 def container_step(job: JobConfig, root: Path, submit_dir: Path) -> ContainerStep:
     """The step's container words for `job` (an empty ContainerStep for container=none)."""
     box = job.container
@@ -68,12 +53,10 @@ def container_step(job: JobConfig, root: Path, submit_dir: Path) -> ContainerSte
     if box.runtime == Runtime.pyxis:
         return _pyxis(box, box.image, mounts, workdir, gpus)
     if box.runtime == Runtime.apptainer:
-        binds = [word for m in mounts for word in ("--bind", m.text())]
-        words = ("apptainer", "exec", *(["--nv"] if gpus else []), *binds, "--pwd", workdir, box.image)
+        words = apptainer_words(box, mounts, workdir, gpus)
         return ContainerStep(box.runtime.value, words, pass_env=tuple(box.env))
-    if box.runtime == Runtime.charliecloud:  # the GPU libraries are put in the image itself (ch-fromhost --nvidia)
-        binds = [f"--bind={m.host}:{m.container}" for m in mounts]
-        return ContainerStep(box.runtime.value, ("ch-run", *binds, f"--cd={workdir}", box.image, "--"))
+    if box.runtime == Runtime.charliecloud:
+        return ContainerStep(box.runtime.value, ch_run_words(box, mounts, workdir))
     # oci: the bundle's config.json holds its mounts, cwd and devices (checked at preflight)
     return ContainerStep(box.runtime.value, (f"--container={box.image}",))
 
