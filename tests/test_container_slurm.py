@@ -18,6 +18,8 @@ import pytest
 from conftest import read_result, sacct_state, slurm_job_id, submit
 from jobctl import RunningJob, attempts, slurm_rank_pids
 
+from gpujobs.backends.slurm.relay import RELAY_ENV, Relay
+
 pytestmark = pytest.mark.slurm
 
 REPO = Path(__file__).resolve().parent.parent
@@ -81,3 +83,30 @@ def test_usr2_to_ranks_in_charliecloud_requeues_and_resumes_in_a_new_container(
     assert status.returncode == 0, status.stderr
     assert f"image: {image_dir}" in status.stdout, status.stdout
 
+
+
+def test_the_relay_runs_slurm_commands_and_nothing_else(
+    tmp_path: Path, slurm: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process without Slurm's commands on its PATH (a rank in an image) has the supervisor run them."""
+    monkeypatch.setenv("SLURM_CONF", slurm["SLURM_CONF"])  # the supervisor's environment reaches the cluster
+    asking = (
+        "import sys\n"
+        "from gpujobs.backends.slurm.commands import SlurmCommandError, slurm_output\n"
+        "print(slurm_output(['sinfo', '-h', '-o', '%P']).split())\n"
+        "try:\n"
+        "    slurm_output(['rm', '-rf', sys.argv[1]])\n"
+        "except SlurmCommandError as err:\n"
+        "    print(err)\n"
+    )
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    with Relay(tmp_path / "relay") as relay:
+        env = {"PATH": str(tmp_path / "no-bin"), "PYTHONPATH": str(REPO), RELAY_ENV: str(relay.directory)}
+        proc = subprocess.run([sys.executable, "-c", asking, str(kept)], capture_output=True, text=True, env=env,
+                              timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    partitions, refused = proc.stdout.splitlines()
+    assert partitions == "['debug*', 'urgent', 'short']", proc.stdout
+    assert refused.startswith("rm is not one of Slurm's commands the supervisor runs (sacct, scancel, "), refused
+    assert kept.is_dir() and not (tmp_path / "relay").exists()

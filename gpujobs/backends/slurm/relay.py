@@ -89,6 +89,8 @@ class Relay:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+        global _serving
+        _serving = None
         os.environ.pop(RELAY_ENV, None)
         shutil.rmtree(self.directory, ignore_errors=True)
 
