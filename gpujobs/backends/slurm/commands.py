@@ -52,7 +52,7 @@ def slurm_command(command: Sequence[str], *, timeout_s: float = DEFAULT_TIMEOUT_
         relayed = ask(relay, command, timeout_s, env)
         if isinstance(relayed, str):
             raise SlurmCommandError(command, relayed)
-        proc = relayed
+        proc = subprocess.CompletedProcess(list(command), *relayed)
     if check and proc.returncode != 0:
         said = last_line(proc.stderr) or last_line(proc.stdout) or f"exit status {proc.returncode}"
         raise SlurmCommandError(command, f"failed: {said}", proc.returncode)

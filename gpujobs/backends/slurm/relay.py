@@ -15,7 +15,6 @@ import contextlib
 import json
 import os
 import shutil
-import subprocess
 import threading
 import time
 import uuid
@@ -46,8 +45,8 @@ def relay_for(command: Sequence[str]) -> Optional[Path]:
 
 
 def ask(relay: Path, command: Sequence[str], timeout_s: float,
-        env: Optional[Mapping[str, str]]) -> Union[subprocess.CompletedProcess[str], str]:
-    """Have the supervisor run `command`; its completed process, or why it could not run (one line)."""
+        env: Optional[Mapping[str, str]]) -> Union[tuple[int, str, str], str]:
+    """Have the supervisor run `command`; its exit code, stdout and stderr, or why it could not run (one line)."""
     token = uuid.uuid4().hex
     answer_path = relay / f"res-{token}.json"
     try:
@@ -66,7 +65,7 @@ def ask(relay: Path, command: Sequence[str], timeout_s: float,
             answer_path.unlink()
         if "error" in answer:
             return str(answer["error"])
-        return subprocess.CompletedProcess(list(command), int(answer["returncode"]), answer["stdout"], answer["stderr"])
+        return int(answer["returncode"]), str(answer["stdout"]), str(answer["stderr"])
     return f"was relayed to the supervisor through {relay}, which did not answer within {timeout_s + _SLACK_S:g} s"
 
 
