@@ -23,8 +23,8 @@ TINY = ("+experiment=rec", "+debug=tiny", "cluster=local")
 
 
 def short_name(podman_image: str) -> str:
-    """The image's name without `localhost/`, which Podman finds the same: a name holding `/` is taken for
-    an image file by ContainerConfig for now."""
+    """The image's name without `localhost/`, which Podman finds the same (ContainerConfig takes a Podman
+    name holding `/` for an image file until the local-containers branch's fix of `image_is_file` lands)."""
     return podman_image.removeprefix("localhost/")
 
 

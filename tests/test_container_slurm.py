@@ -43,11 +43,15 @@ def in_image(image_dir: Path) -> tuple[str, ...]:
 
 
 def runs_the_image_python(pid: int, image_dir: Path) -> bool:
-    """Whether process `pid` runs the image's python3 (the file the image holds, not the submitter's: its
-    PATH, the venv's bin first, reaches the step)."""
+    """Whether process `pid` runs the image's python3 with the image's torch: the submitter's PATH reaches the
+    step, and a venv's `python3` found first (its bin mounted in) would run the venv's packages instead."""
     exe = os.stat(f"/proc/{pid}/exe")
     image_python = os.stat(image_dir / "usr/bin/python3")  # Debian's is a relative link to python3.X
-    return (exe.st_dev, exe.st_ino) == (image_python.st_dev, image_python.st_ino)
+    # the files it maps, by their paths inside the container
+    torch_libs = {line.split()[-1] for line in Path(f"/proc/{pid}/maps").read_text().splitlines()
+                  if "/torch/lib/libtorch" in line}
+    return (exe.st_dev, exe.st_ino) == (image_python.st_dev, image_python.st_ino) and bool(torch_libs) and all(
+        lib.startswith("/usr/local/lib/python3") for lib in torch_libs)
 
 def test_usr2_to_ranks_in_charliecloud_requeues_and_resumes_in_a_new_container(
     tmp_path: Path, slurm: dict[str, str], image_dir: Path, outside_digest: str
