@@ -111,6 +111,6 @@ def test_the_relay_runs_slurm_commands_and_nothing_else(
                               timeout=60)
     assert proc.returncode == 0, proc.stderr
     partitions, refused = proc.stdout.splitlines()
-    assert partitions == "['debug*', 'urgent', 'short']", proc.stdout
+    assert "'debug*'" in partitions, proc.stdout  # scripts/local-slurm.sh's default partition
     assert refused.startswith("rm is not one of Slurm's commands the supervisor runs (sacct, scancel, "), refused
     assert kept.is_dir() and not (tmp_path / "relay").exists()
