@@ -29,6 +29,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, Optional, TypeVar
 
+from gpujobs.attempt.image import image_fields
 from gpujobs.backends import backend_for
 from gpujobs.backends.jobenv import allocated_world_size
 from gpujobs.backends.slurm import control, quarantine
@@ -106,7 +107,8 @@ def record_attempt(run_dir: str, job: JobConfig, reason: str, *, ledger: Optiona
     SIGTERM is ignored from the requeue until the line is written, so that the line says what came of it
     (a requeue that failed after its retries, a node that could not be excluded) and is never amended.
     A caller that does not say the attempt's world size gets the one its environment gives (on Slurm:
-    the allocation's). A supervisor passes its own `ledger`, which remembers the lines a full disk refused.
+    the allocation's); the line names the container image the ranks ran in (`image.image_fields`). A
+    supervisor passes its own `ledger`, which remembers the lines a full disk refused.
 
     An attempt that blames a node (a reason in `NODE_FAULTS`, with `node`) and goes again on Slurm
     excludes that node from the requeued job (`quarantine`), recorded as `excluded` (the whole list); when
@@ -117,7 +119,7 @@ def record_attempt(run_dir: str, job: JobConfig, reason: str, *, ledger: Optiona
     """
     job_id = slurm_job_id()
     fields.setdefault("world_size", allocated_world_size())
-    for key, value in job.resources.held_per_rank.items():
+    for key, value in {**job.resources.held_per_rank, **image_fields(job.container)}.items():
         fields.setdefault(key, value)
     ledger = ledger if ledger is not None else AttemptLog(Path(run_dir))
     decision = ledger.decide(job.cluster, reason)

@@ -28,6 +28,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from types import FrameType
 from typing import Optional
@@ -41,6 +42,8 @@ from gpujobs.attempt.preemption import slurm_job_id
 from gpujobs.backends.jobenv import allocated_world_size
 from gpujobs.backends.slurm import control
 from gpujobs.backends.slurm.commands import SlurmCommandError
+from gpujobs.backends.slurm.relay import Relay
+from gpujobs.config.modes import Runtime
 from gpujobs.rundir.attempts import AttemptLog
 from gpujobs.rundir.files import read_config
 from gpujobs.rundir.heartbeat import STACKS_SIGNAL, instance
@@ -139,7 +142,9 @@ def supervise(run_dir: Path, job_id: str, command: list[str]) -> int:
     watchdog = HangWatchdog.for_job(train_dir, job, ranks, instance(), before + 1, kill=kill_steps,
                                     signal_remote=ask_stacks)
     started = time.time()
-    code, lines = run_step(command, watchdog)
+    # ranks in a container run Slurm's commands (rank 0's requeue) through us: the image seldom has them
+    with Relay(train_dir / f".slurm-relay-{job_id}") if job.container.runtime != Runtime.none else nullcontext():
+        code, lines = run_step(command, watchdog)
     withdraw_left_target(train_dir)  # the ranks are gone: a target rank 0 could not withdraw (killed) goes too
     history = ledger.read()
     what = died(lines)

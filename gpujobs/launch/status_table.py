@@ -1,8 +1,9 @@
 """`status`'s table: one row per point, readable at any terminal width (submit side, torch-free).
 
 The cells come from each run dir's files (`attempts.jsonl`, `metrics.jsonl`, `result.json`) and the
-point's Slurm state (`manage.refresh`); the layout is worked out when the table is printed, for the
-terminal it is printed on.
+point's Slurm state (`manage.refresh`); the caption adds the nodes a job excludes and the container image
+its last attempt ran in (the ledger's `image`, with its `image_id` where the runtime reported one). The
+layout is worked out when the table is printed, for the terminal it is printed on.
 """
 
 from __future__ import annotations
@@ -52,6 +53,17 @@ def excluded_nodes(run_dir: Path) -> list[str]:
     return lists[-1] if lists else []
 
 
+def image_text(run_dir: Path) -> str:
+    """The container image the run's last attempt that names one ran in (`rec:1 (id 0123456789ab)` where
+    the runtime reported its ID), or "" for a run without one, or none recorded yet."""
+    named = [a for a in AttemptLog(run_dir).read() if a.image]
+    if not named:
+        return ""
+    last = named[-1]
+    image_id = (last.image_id or "").removeprefix("sha256:")
+    return f"{last.image} (id {image_id[:12]})" if image_id else str(last.image)
+
+
 def world_size_now(run_dir: Path) -> str:
     """The run's world size: the current result's once it has one, else that of the attempt whose
     training records came last (the one running, or the last that ran: the ranks of its last logged
@@ -82,7 +94,7 @@ def status_table(points: list[PointState]) -> Any:
     shared = set.intersection(*(set(p.overrides) for p in points)) if len(points) > 1 else set()
     # below the table, not a column: a node list would squeeze every other column of an 80-column table
     excluded = [(p, nodes) for p in points if (nodes := excluded_nodes(p.run_dir))]
-    caption = "; ".join(f"{'' if p.num is None else f'#{p.num} '}{', '.join(nodes)}" for p, nodes in excluded)
+    caption = "; ".join(f"{_label(p)}{', '.join(nodes)}" for p, nodes in excluded)
     cells: dict[str, list[str]] = {name: [] for name in _COLUMNS if name != "overrides"}
     for point in points:
         step, metric = progress(point.run_dir)
@@ -93,8 +105,24 @@ def status_table(points: list[PointState]) -> Any:
     return StatusTable(
         title=[o for o in points[0].overrides if o in shared],
         overrides=[[o for o in p.overrides if o not in shared] or [p.run_dir.name] for p in points],
-        cells=cells, notes=[f"excluded nodes: {caption}"] if caption else [],
+        cells=cells, notes=([f"excluded nodes: {caption}"] if caption else []) + _image_notes(points),
     )
+
+
+def _label(point: PointState) -> str:
+    """How a caption names a point of a sweep ("#3 "; "" for a single run)."""
+    return "" if point.num is None else f"#{point.num} "
+
+
+def _image_notes(points: list[PointState]) -> list[str]:
+    """The caption's image line, where attempts name one: the image every point ran in last, or each
+    point's where they differ (a sweep over `container.image`)."""
+    images = [(p, text) for p in points if (text := image_text(p.run_dir))]
+    if not images:
+        return []
+    if len({text for _, text in images}) == 1 and len(images) == len(points):
+        return [f"image: {images[0][1]}"]
+    return ["image: " + "; ".join(f"{_label(p)}{text}" for p, text in images)]
 
 
 @dataclass

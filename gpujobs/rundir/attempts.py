@@ -67,7 +67,8 @@ class RequeuePolicy:
 
 # What a line keeps when the whole one does not fit (a full disk): what budgets, `status` and `cost` read.
 _ESSENTIAL = frozenset({"attempt", "reason", "requeue", "why", "end", "start", "job_id", "recorded_by",
-                        "world_size", "unit", "per_rank", "start_step", "steps_done", "saved", "excluded"})
+                        "world_size", "unit", "per_rank", "start_step", "steps_done", "saved", "excluded",
+                        "image", "image_id"})
 
 
 _SHORTENED = " (written without its details: the disk was full)"

@@ -86,6 +86,12 @@ class Attempt:
     health check came before it."""
     health_s: Optional[float] = None
     """Seconds the health check at start took."""
+    image: Optional[str] = None
+    """The container image the ranks ran in, as `container.image` names it (None: no container)."""
+    image_id: Optional[str] = None
+    """Podman: the ID (`sha256:...`) of the image `image` named when the attempt started, as Podman reports it
+    (the digest of the image's config; an imported image has no registry digest). None where the runtime
+    reports none without reading the whole image (a .sif file, an image directory, a squashfs, a bundle)."""
 
     @classmethod
     def from_json(cls, line: dict[str, Any]) -> Optional[Attempt]:

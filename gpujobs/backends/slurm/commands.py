@@ -12,6 +12,7 @@ import subprocess
 from collections.abc import Mapping, Sequence
 from typing import Optional
 
+from gpujobs.backends.slurm.relay import ask, relay_for
 from gpujobs.base.errors import GpujobsError
 
 #: How long a Slurm command may take unless its caller says otherwise: slurmctld answers in well under
@@ -42,18 +43,32 @@ def slurm_command(command: Sequence[str], *, timeout_s: float = DEFAULT_TIMEOUT_
     """Run one Slurm command; its completed process (stdout and stderr as text).
 
     `env` is added to this process's environment. Raises SlurmCommandError when the command cannot
-    run or times out, and (with `check`) when it exits non-zero, with its stderr's last line."""
+    run or times out, and (with `check`) when it exits non-zero, with its stderr's last line. A rank in a
+    container whose image lacks the command has the supervisor outside run it (`relay`)."""
+    relay = relay_for(command)
+    if relay is None:
+        proc = _run(command, timeout_s, env)
+    else:
+        relayed = ask(relay, command, timeout_s, env)
+        if isinstance(relayed, str):
+            raise SlurmCommandError(command, relayed)
+        proc = subprocess.CompletedProcess(list(command), *relayed)
+    if check and proc.returncode != 0:
+        said = last_line(proc.stderr) or last_line(proc.stdout) or f"exit status {proc.returncode}"
+        raise SlurmCommandError(command, f"failed: {said}", proc.returncode)
+    return proc
+
+
+def _run(command: Sequence[str], timeout_s: float,
+         env: Optional[Mapping[str, str]]) -> subprocess.CompletedProcess[str]:
+    """Run `command` here; SlurmCommandError when it cannot run or does not answer in time."""
     try:
-        proc = subprocess.run(list(command), capture_output=True, text=True, errors="replace", timeout=timeout_s,
+        return subprocess.run(list(command), capture_output=True, text=True, errors="replace", timeout=timeout_s,
                               check=False, env={**os.environ, **env} if env else None)
     except subprocess.TimeoutExpired:
         raise SlurmCommandError(command, f"did not answer within {timeout_s:g} s") from None
     except OSError as err:
         raise SlurmCommandError(command, f"could not run: {err.strerror or err}") from None
-    if check and proc.returncode != 0:
-        said = last_line(proc.stderr) or last_line(proc.stdout) or f"exit status {proc.returncode}"
-        raise SlurmCommandError(command, f"failed: {said}", proc.returncode)
-    return proc
 
 
 def slurm_output(command: Sequence[str], *, timeout_s: float = DEFAULT_TIMEOUT_S,
