@@ -117,6 +117,8 @@ build() {
   # console scripts: their shebang is the caller's venv python, which the image lacks
   rm -rf -- "$site/bin"
   log "pip: $(elapsed "$t0") s; image: $(du -sh "$tmp" | cut -f1)"
+  # ch-run binds the host's /etc/hosts (the nodes' names: the ranks' rendezvous) only onto a file the image has
+  touch "$tmp/etc/hosts"
   mv -T -- "$tmp" "$CACHE/$KEY"
 }
 

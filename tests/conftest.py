@@ -229,6 +229,8 @@ def _podman() -> tuple[str, dict[str, str]]:
     lines = _test_image("podman")
     # the lines before the name: NAME=VALUE settings podman needs (CONTAINERS_CONF)
     env = {name: value for name, _, value in (line.partition("=") for line in lines[:-1])}
+    # for every podman a test starts, the launcher's included (its ranks run `podman run`): the session's env
+    os.environ.update(env)
     return lines[-1], env
 
 

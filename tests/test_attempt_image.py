@@ -22,12 +22,6 @@ from gpujobs.rundir.records import read_attempts
 TINY = ("+experiment=rec", "+debug=tiny", "cluster=local")
 
 
-def short_name(podman_image: str) -> str:
-    """The image's name without `localhost/`, which Podman finds the same (ContainerConfig takes a Podman
-    name holding `/` for an image file until the local-containers branch's fix of `image_is_file` lands)."""
-    return podman_image.removeprefix("localhost/")
-
-
 def table_text(points: list[PointState]) -> str:
     """`status`'s table as printed at 100 columns."""
     out = io.StringIO()
@@ -39,7 +33,7 @@ def test_a_podman_attempt_names_the_image_and_its_id(
     tmp_path: Path, podman_image: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv(IMAGE_ID_ENV, raising=False)
-    job = compose_job(*TINY, "container=podman", f"container.image={short_name(podman_image)}")
+    job = compose_job(*TINY, "container=podman", f"container.image={podman_image}")
     inspected = subprocess.run(["podman", "image", "inspect", "--format", "{{.Id}}", podman_image],
                                capture_output=True, text=True, check=True).stdout.strip()
     image_id = export_image_id(job.container)  # what the launcher does before each attempt
@@ -49,8 +43,8 @@ def test_a_podman_attempt_names_the_image_and_its_id(
     record_attempt(str(run_dir), job, "preempted", start=1.0)  # rank 0, or the launcher: the same fields
     record_attempt(str(run_dir), job, "completed", start=2.0)
     lines = read_attempts(run_dir)
-    assert [(a.image, a.image_id) for a in lines] == [(short_name(podman_image), image_id)] * 2
-    assert image_text(run_dir) == f"{short_name(podman_image)} (id {inspected.removeprefix('sha256:')[:12]})"
+    assert [(a.image, a.image_id) for a in lines] == [(podman_image, image_id)] * 2
+    assert image_text(run_dir) == f"{podman_image} (id {inspected.removeprefix('sha256:')[:12]})"
     table = table_text([PointState(None, [], run_dir, None, None, state="completed")])
     assert f"image: {image_text(run_dir)}" in table, table
 

@@ -4,7 +4,7 @@
 inside is found hung with its stacks kept, and nothing of a killed job (no process, no container) is left.
 
 Podman runs here as root: where the VM lacks CAP_SYS_RESOURCE, its default ulimits need a containers.conf
-with lower `default_ulimits` (CONTAINERS_CONF), which the test command sets.
+with lower `default_ulimits` (CONTAINERS_CONF), which the `podman_image` fixture sets for the session.
 """
 
 from __future__ import annotations
@@ -105,6 +105,12 @@ def test_usr2_to_the_launcher_reaches_the_ranks_inside_and_the_run_resumes_exact
     assert completed["reason"] == "completed" and completed["resumed_from"] == preempted["saved"], completed
     assert completed["start_step"] == preempted["steps_done"]  # zero steps redone, in a fresh container
     assert read_result(run_dir)["param_digest"] == straight_digest
+    image = boxed[1].split("=", 1)[1]
+    assert preempted["image"] == completed["image"] == image, (preempted, completed)
+    # podman reports the image's ID; a ch-run directory has none short of reading the whole image
+    ids = [line.get("image_id") for line in (preempted, completed)]
+    assert ids == ([ids[0]] * 2 if boxed[0] == "container=podman" else [None, None]), ids
+    assert boxed[0] != "container=podman" or str(ids[0]).startswith("sha256:"), ids
 
 
 def test_a_rank_stopped_in_a_podman_container_is_found_hung_with_its_stacks(

@@ -21,6 +21,7 @@ from gpujobs.attempt import failures
 from gpujobs.attempt.evidence import kill_tree, local_job_processes
 from gpujobs.attempt.file_sd import withdraw_left_target
 from gpujobs.attempt.hangs import HangReport, HangWatchdog
+from gpujobs.attempt.image import export_image_id
 from gpujobs.attempt.judge import AttemptEnd, Verdict, judge, record_or_say, record_verdict
 from gpujobs.attempt.program import FROM_RUN_DIR, RankProgram
 from gpujobs.backends.follow import JobFollower
@@ -70,6 +71,7 @@ def run_local(job: JobConfig, run_dir: Path) -> int:
                 signals.stop_asked = False  # a USR2 between attempts asked nothing of the next one
                 try:
                     rank = {"run_dir": str(run_dir), "master_port": free_port(), "launcher": launcher}
+                    export_image_id(job.container)  # the image this attempt runs in, for its ledger line
                     sjob = executor.submit(RankProgram(FROM_RUN_DIR, rank))
                 except OSError as err:  # submitit writes the attempt's files into the run dir first (a full disk)
                     print(f"gpujobs: attempt {before + 1} could not be started in {executor.folder}: "

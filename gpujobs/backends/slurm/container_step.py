@@ -11,6 +11,7 @@ the mounts and the argv a local run shares are `gpujobs.backends.container_words
 from __future__ import annotations
 
 import shlex
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +20,9 @@ from gpujobs.config.container import ContainerConfig, Mount
 from gpujobs.config.load import JobConfig
 from gpujobs.config.modes import Runtime
 
+#: Where a system's own Python lives: its bin stays on PATH (srun and the Slurm commands are there too; an
+#: image's python3 is found in the same places).
+SYSTEM_BINS = frozenset({"/usr/bin", "/bin", "/usr/local/bin"})
 #: The runtimes a Slurm job's step runs in.
 SLURM_RUNTIMES = frozenset({Runtime.pyxis, Runtime.apptainer, Runtime.charliecloud, Runtime.oci})
 #: enroot's GPU hook stands down where the image's NVIDIA_VISIBLE_DEVICES is `void` (pyxis, container.gpus=false).
@@ -37,10 +41,14 @@ class ContainerStep:
     """apptainer: names exported as APPTAINERENV_NAME (their values over the image's) where set."""
     env: tuple[tuple[str, str], ...] = ()
     """Variables the script exports for the runtime (pyxis without GPUs: NVIDIA_VISIBLE_DEVICES=void)."""
+    hide_bin: str = ""
+    """charliecloud: the submitting Python's bin, which the script takes off PATH (ch-run passes PATH on, and
+    that bin's python3 is mounted with the submit directory: the image's must win); '' for none."""
 
 
-def container_step(job: JobConfig, root: Path, submit_dir: Path) -> ContainerStep:
-    """The step's container words for `job` (an empty ContainerStep for container=none)."""
+def container_step(job: JobConfig, root: Path, submit_dir: Path, python: str = sys.executable) -> ContainerStep:
+    """The step's container words for `job` (an empty ContainerStep for container=none); `python` runs the
+    supervisor outside."""
     box = job.container
     if box.runtime == Runtime.none:
         return ContainerStep()
@@ -56,7 +64,9 @@ def container_step(job: JobConfig, root: Path, submit_dir: Path) -> ContainerSte
         words = apptainer_words(box, mounts, workdir, gpus)
         return ContainerStep(box.runtime.value, words, pass_env=tuple(box.env))
     if box.runtime == Runtime.charliecloud:
-        return ContainerStep(box.runtime.value, ch_run_words(box, mounts, workdir))
+        own_bin = str(Path(python).parent)
+        return ContainerStep(box.runtime.value, ch_run_words(box, mounts, workdir),
+                             hide_bin="" if own_bin in SYSTEM_BINS else own_bin)
     # oci: the bundle's config.json holds its mounts, cwd and devices (checked at preflight)
     return ContainerStep(box.runtime.value, (f"--container={box.image}",))
 

@@ -82,7 +82,8 @@ def sbatch_request(job: JobConfig, folder: Path, command: str, *, array: Optiona
         ("output", f"{log_stem}_0_log.out"),
         ("error", f"{log_stem}_0_log.err"),
     ]
-    step = container_step(job, Path(folder).parent, Path.cwd() if submit_dir is None else submit_dir)
+    step = container_step(job, Path(folder).parent, Path.cwd() if submit_dir is None else submit_dir,
+                          python=(shlex.split(command) or [sys.executable])[0])
     return SbatchRequest(
         flags=tuple(flags),
         # no run dir: one script serves every point of an array (and a rerun dir), so each rank sets the
