@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from gpujobs.base.atomic import write_json_atomic
+from gpujobs.rundir.trust import own_dir
 
 #: The relay directory of the step the ranks run in, set by the supervisor for a containerized step.
 RELAY_ENV = "GPUJOBS_SLURM_RELAY"
@@ -80,7 +81,7 @@ class Relay:
     def __enter__(self) -> Relay:
         global _serving
         _serving = os.getpid()
-        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        own_dir(self.directory.parent, self.directory.name, mode=0o700)  # a link or another's dir: Untrusted
         os.environ[RELAY_ENV] = str(self.directory)  # the srun step, and every rank, inherit it
         self._thread.start()
         return self
