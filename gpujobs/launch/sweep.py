@@ -32,6 +32,7 @@ prints the array scripts and writes nothing.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import os
 import time
@@ -86,23 +87,39 @@ class SweepPlan:
     single: bool = False
     """A single run dir's plan (`resubmit` of one run dir): its point is the run dir, not a dir inside it."""
     _cluster_cache: dict[Any, Any] = field(default_factory=dict)
+    _places: dict[Path, Point] = field(default_factory=dict)
+    """The points' run dirs, resolved: to find a clash in O(depth), not by comparing with every point."""
+    _around: dict[Path, Point] = field(default_factory=dict)
+    """Every directory inside the sweep dir that holds a point's run dir, and one point it holds."""
 
     def add(self, job: JobConfig, run_dir: Path, num: int, overrides: list[str]) -> None:
         """Validate one point against where it will run (ConfigError/SubmitError if it cannot) and against
         its run dir, as a single run is (`check_start`: a rerun of the sweep with other values), and keep it."""
-        if not self.single:
-            self._check_place(run_dir, num)
+        place = None if self.single else self._check_place(run_dir, num)
         preflight(job, self._cluster_cache)
         check_start(job, run_dir, "hydra.sweep.subdir")
-        self.points.append(Point(num, list(overrides), job, run_dir))
+        point = Point(num, list(overrides), job, run_dir)
+        self.points.append(point)
+        if place is not None:
+            self._places[place] = point
+            for parent in place.parents:
+                if parent == self._sweep_place:
+                    break
+                self._around.setdefault(parent, point)
 
-    def _check_place(self, run_dir: Path, num: int) -> None:
+    @functools.cached_property
+    def _sweep_place(self) -> Path:
+        """The sweep dir, resolved (once: every point is checked against it)."""
+        return self.sweep_dir.resolve()
+
+    def _check_place(self, run_dir: Path, num: int) -> Path:
         """Refuse a point whose run dir is not a dir of its own inside the sweep dir (ConfigError on
         hydra.sweep.subdir): on the sweep dir or outside it the point is no point of this sweep; sharing
         an earlier point's run dir (or lying inside it, or around it), two points would write one
         config.yaml on Slurm, and a local one would find the other's result and call itself completed; in
-        the sweep's array folder (`ARRAY_FOLDER`), its files would lie among every task's."""
-        sweep_dir, place = self.sweep_dir.resolve(), run_dir.resolve()
+        the sweep's array folder (`ARRAY_FOLDER`), its files would lie among every task's. Returns the run
+        dir, resolved."""
+        sweep_dir, place = self._sweep_place, run_dir.resolve()
         wrong: Optional[str] = None
         if place == sweep_dir:
             wrong = f"point #{num} would run on the sweep dir itself"
@@ -110,16 +127,17 @@ class SweepPlan:
             wrong = f"point #{num} would run in {run_dir}, outside it"
         elif place.is_relative_to(sweep_dir / ARRAY_FOLDER):
             wrong = f"point #{num} would run in {run_dir}, among the array scripts, logs and pickles of the sweep"
-        for other in self.points:
-            theirs = other.run_dir.resolve()
-            if place == theirs:
-                wrong = f"points #{other.num} and #{num} would both run in {run_dir}"
-            elif place.is_relative_to(theirs) or theirs.is_relative_to(place):
+        elif place in self._places:
+            wrong = f"points #{self._places[place].num} and #{num} would both run in {run_dir}"
+        else:
+            other = self._around.get(place) or next((self._places[p] for p in place.parents if p in self._places), None)
+            if other is not None:
                 wrong = f"points #{other.num} and #{num} would nest their run dirs {other.run_dir} and {run_dir}"
         if wrong:
             subdir = os.path.relpath(os.path.abspath(run_dir), os.path.abspath(self.sweep_dir))  # as the user wrote it
             raise ConfigError("hydra.sweep.subdir", subdir, f"a dir per point inside the sweep dir {self.sweep_dir} "
                               f"(the default is ${{hydra.job.num}}): {wrong}")
+        return place
 
     def check_together(self) -> None:
         """Refuse what the points cannot do side by side: Slurm may pack the points of a sweep onto one
