@@ -232,3 +232,43 @@ def test_the_podman_and_apptainer_words_are_their_documented_options(tmp_path: P
     argv = shlex.split(rank_python(apptainer, tmp_path / "run", tmp_path))
     assert argv == ["apptainer", "exec", "--bind", f"{tmp_path}:{tmp_path}", "--pwd", str(tmp_path), "/i/rec.sif",
                     "python3"]
+
+
+#: A time limit just above its least (the signal lead plus 30 s), and more slowed steps than one attempt holds.
+TIME_LIMIT = ("cluster.time=00:01:00", "cluster.signal_lead_s=25", "trainer.max_steps=2000")
+
+
+@pytest.mark.parametrize("runtime", ["none", "podman"])
+def test_the_time_limit_gives_an_agreed_checkpoint_that_the_next_attempt_resumes(
+    tmp_path: Path, runtime: str, request: pytest.FixtureRequest
+) -> None:
+    """At `cluster.time` less the lead the ranks stop at an agreed checkpoint, and the attempt's line says so as
+    it does without a container: submitit's controller signals its tasks, which in podman are podman's clients,
+    so there the launcher asks the stop itself. The next attempt resumes it; then the launcher is stopped."""
+    boxed: tuple[str, ...] = ()
+    if runtime == "podman":
+        boxed = ("container=podman", f"container.image={request.getfixturevalue('podman_image')}")
+    run_dir = tmp_path / "run"
+    job = RunningJob(run_dir, *SLOW, *TIME_LIMIT, *boxed)
+    deadline = time.monotonic() + 75
+    while not re.search(r"\] resumed from ", _attempt_2_rank_0_log(job)):
+        assert time.monotonic() < deadline and job.proc.poll() is None, job.output()
+        time.sleep(0.5)
+    os.kill(job.proc.pid, signal.SIGTERM)
+    assert job.wait(timeout=60) == 128 + signal.SIGTERM, job.output()
+    stopped, cancelled = attempts(run_dir)
+    assert stopped["reason"] == "timeout" and stopped["recorded_by"] == "rank 0", stopped
+    assert stopped["why"] == "timeout 1 of at most 5" and stopped["requeue"] is True, stopped
+    assert stopped["saved"].endswith(f"step_{stopped['steps_done']:08d}"), stopped
+    # asked at the limit less the lead from the launcher's start; the line's start is rank 0's, a few s later
+    assert 60 - 25 - 10 <= stopped["end"] - stopped["start"] < 60 - 10, stopped
+    assert f"] resumed from {stopped['saved']} (step {stopped['steps_done']}," in _attempt_2_rank_0_log(job)
+    assert cancelled["reason"] == "cancelled" and cancelled["recorded_by"] == "launcher", cancelled
+    assert job_leftovers(run_dir, {})[1] == ""
+
+
+def _attempt_2_rank_0_log(job: RunningJob) -> str:
+    """What rank 0 of the local job's second attempt has logged so far ('' before it starts)."""
+    found = re.search(r"local job (\d+) \(attempt 2\)", job.output())
+    log = job.run_dir / "submitit" / f"{found[1]}_0_log.err" if found else None
+    return log.read_text() if log is not None and log.exists() else ""

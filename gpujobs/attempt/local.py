@@ -26,7 +26,7 @@ from gpujobs.attempt.judge import AttemptEnd, Verdict, judge, record_or_say, rec
 from gpujobs.attempt.program import FROM_RUN_DIR, RankProgram
 from gpujobs.backends.follow import JobFollower
 from gpujobs.backends.jobenv import free_port
-from gpujobs.backends.local.container import RUNTIME_CLIENTS, rank_python
+from gpujobs.backends.local.container import RUNTIME_CLIENTS, rank_python, tasks_are_ranks
 from gpujobs.base.process import process_start
 from gpujobs.config.load import JobConfig
 from gpujobs.config.nccl import GLOO_ON_CUDA_ENV
@@ -50,12 +50,17 @@ def run_local(job: JobConfig, run_dir: Path) -> int:
     # each rank task runs `python` (the runtime's argv and the image's python3 where container= names one);
     # the controller, which follows them, stays this Python, outside
     executor = submitit.LocalExecutor(folder=run_dir / job.cluster.folder, python=rank_python(job, run_dir, Path.cwd()))
+    # The controller sends its tasks USR2 at the time limit less the lead. A podman task is podman's client,
+    # which passes no signal on (and might die of it): there the controller sends nothing early (its loop
+    # never reaches a delay of 0) and the launcher asks the stop itself, as a USR2 to it would (`stop_at`).
+    lead = job.cluster.signal_lead_s
+    controller_signals = tasks_are_ranks(job.container)
     executor.update_parameters(
         nodes=1,
         tasks_per_node=res.ranks_per_node,
         gpus_per_node=len(gpus),
         timeout_min=job.cluster.timeout_min,
-        signal_delay_s=job.cluster.signal_lead_s,
+        signal_delay_s=lead if controller_signals else 0,
     )
     # By uuid, which names the same GPU (or MIG slice) in every process whatever CUDA's order; submitit's
     # check takes indices only, but its local executor writes the entries into the ranks' CUDA_VISIBLE_DEVICES.
@@ -68,7 +73,7 @@ def run_local(job: JobConfig, run_dir: Path) -> int:
         try:
             while True:
                 before, started, sjob = len(attempts.read()), time.time(), None
-                signals.stop_asked = False  # a USR2 between attempts asked nothing of the next one
+                signals.new_attempt(None if controller_signals else started + job.cluster.timeout_min * 60 - lead)
                 try:
                     rank = {"run_dir": str(run_dir), "master_port": free_port(), "launcher": launcher}
                     export_image_id(job.container)  # the image this attempt runs in, for its ledger line
@@ -180,12 +185,14 @@ class LauncherSignals:
     attempt recorded, then the launcher exits 128 + that signal); any that follow are ignored, so a
     second `kill` cannot tear the handling of the first. USR2 means what it means on Slurm: the ranks
     get it (`forward_stop`, from the follower's poll), save an agreed checkpoint and record the attempt
-    `preempted`, and the launcher starts the next one within `cluster.max_preemptions`.
+    `preempted`, and the launcher starts the next one within `cluster.max_preemptions`. An attempt's
+    `stop_at` asks the same stop at that time, which its ranks record as `timeout` near the time limit.
     """
 
     def __init__(self) -> None:
         self.stopping: Optional[int] = None
         self.stop_asked = False
+        self._stop_at: Optional[float] = None
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> LauncherSignals:
@@ -209,10 +216,17 @@ class LauncherSignals:
             self.stopping = signum
             raise Interrupted(signum)
 
+    def new_attempt(self, stop_at: Optional[float]) -> None:
+        """An attempt starts: a USR2 between attempts asked nothing of it; from `stop_at` (a time.time(), or
+        None: never) its ranks are asked to stop, as by a USR2 to the launcher."""
+        self.stop_asked, self._stop_at = False, stop_at
+
     def forward_stop(self, controller: int, ranks: int) -> None:
         """Pass an asked-for stop to the processes of local job `controller` that handle USR2, as Slurm
         signals every process of a step: its `ranks` (one still starting would die of USR2: it gets it at
         a later poll) and a script that installed a handler of its own. The flag drops once all ranks have it."""
+        if self._stop_at is not None and time.time() >= self._stop_at:
+            self.stop_asked, self._stop_at = True, None  # asked once, like the controller's USR2
         if not self.stop_asked:
             return
         job = local_job_processes(controller)

@@ -86,6 +86,13 @@ def _ch_run(box: ContainerConfig, mounts: list[Mount], workdir: str, env: Mappin
     return [*user, *ch_run_words(box, mounts, workdir, ["--unset-env=VIRTUAL_ENV", f"--set-env=PATH={path}"])]
 
 
+def tasks_are_ranks(box: ContainerConfig) -> bool:
+    """Whether the controller's USR2 to a task it started (at the time limit less the lead) reaches the rank:
+    the task is the rank (container=none; ch-run execs it) or passes signals on (apptainer's starter), but
+    podman's client passes none (`--sig-proxy=false`)."""
+    return LOCAL_RUNTIMES.get(box.runtime) not in RUNTIME_CLIENTS
+
+
 def check_local_container(job: JobConfig, submit_dir: Path, run_dir: Optional[Path] = None) -> None:
     """Refuse (ConfigError) a runtime whose program is not on PATH here, and an image directory that ch-run
     cannot bind a mount into: every mount's container path (and the workdir) must be a directory in the
