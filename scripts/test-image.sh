@@ -4,11 +4,13 @@
 # Debian 12, run as root, inside the project's environment (its python runs pip; scripts/test.sh and the
 # test fixtures call this script).
 #
-#   test-image.sh          build the image if needed; print its directory (a rootfs for ch-run, and for
-#                          Slurm's OCI runtime) as the last line of stdout
+#   test-image.sh          build the image if needed; print its directory (a rootfs for ch-run, and
+#                          the rootfs of the `oci` bundle) as the last line of stdout
 #   test-image.sh podman   also make the same rootfs a Podman image, and prepare this host for podman as
 #                          root; print "CONTAINERS_CONF=FILE" (a containers.conf every podman call of the
 #                          tests must be given, see below), then the image name as the last line
+#   test-image.sh oci      also make an OCI bundle of the same rootfs for Slurm's `srun --container` (crun,
+#                          see oci_bundle below); print the bundle's directory as the last line
 #
 # Only those lines go to stdout; progress goes to stderr.
 #
@@ -35,11 +37,11 @@ umask 022
 
 log() { echo "test-image: $*" >&2; }
 die() { log "ERROR: $*"; exit "${2:-1}"; }
-usage() { echo "usage: $0 [podman]" >&2; exit 2; }
+usage() { echo "usage: $0 [podman|oci]" >&2; exit 2; }
 
 [ $# -le 1 ] || usage
 MODE=${1:-dir}
-case $MODE in dir|podman) ;; *) usage ;; esac
+case $MODE in dir|podman|oci) ;; *) usage ;; esac
 [ "$(id -u)" -eq 0 ] || die "must run as root (mmdebstrap builds the image as root; the image is root's)"
 
 REPO=$(cd "$(dirname "$0")/.." && pwd -P)
@@ -98,7 +100,8 @@ build() {
   local tmp site t0 mirror=()
   command -v mmdebstrap >/dev/null || die "mmdebstrap is not installed (scripts/test.sh installs it as root)"
   for old in "$CACHE"/.build-* "$CACHE"/*; do
-    [[ -e $old && ( ${old##*/} =~ ^[0-9a-f]{16}$ || ${old##*/} = .build-* ) && $old != "$CACHE/$KEY" ]] || continue
+    [[ -e $old && ( ${old##*/} =~ ^[0-9a-f]{16}(-oci-[0-9a-f]{8})?$ || ${old##*/} = .build-* ) && $old != "$CACHE/$KEY" ]] ||
+      continue
     log "removing $old (an older or unfinished image)"; remove_tree "$old"
   done
   tmp=$(mktemp -d "$CACHE/.build-$KEY.XXXXXX")
@@ -122,23 +125,11 @@ build() {
   mv -T -- "$tmp" "$CACHE/$KEY"
 }
 
+# crun's host preparation (prepare_cgroups), shared with scripts/local-slurm.sh
+. "$REPO/scripts/crun-cgroups.sh"
+
 # elapsed T0: seconds since $EPOCHREALTIME was T0
 elapsed() { awk -v a="$1" -v b="$EPOCHREALTIME" 'BEGIN { printf "%.1f", b - a }'; }
-
-# prepare_cgroups: crun refuses a hybrid hierarchy where cgroup2 still holds a controller ("cgroups in
-# hybrid mode not supported, drop all controllers from cgroupv2"); here hugetlb stays on cgroup2 while the
-# others are v1. Mounting a v1 hierarchy of each such controller moves it off cgroup2. Only on a v1 or
-# hybrid host (a pure cgroup2 host is fine as it is); idempotent.
-prepare_cgroups() {
-  local c controllers=/sys/fs/cgroup/unified/cgroup.controllers
-  [ "$(stat -fc %T /sys/fs/cgroup)" != cgroup2fs ] && [ -r "$controllers" ] || return 0
-  for c in $(cat "$controllers"); do
-    mountpoint -q "/sys/fs/cgroup/$c" && continue
-    log "mounting a cgroup v1 hierarchy for $c (crun refuses controllers left on cgroup2 in hybrid mode)"
-    mkdir -p "/sys/fs/cgroup/$c"
-    mount -t cgroup -o "$c" cgroup "/sys/fs/cgroup/$c" || die "could not move cgroup controller $c to v1"
-  done
-}
 
 # write_containers_conf: podman as root sets nofile and nproc to 1048576 in every container, and crun's
 # setrlimit fails where they exceed the hard limits podman runs with and the VM lacks CAP_SYS_RESOURCE to
@@ -178,6 +169,47 @@ podman_image() {
   done
 }
 
+# oci_bundle: the image as an OCI bundle for Slurm's `srun --container` with crun, for this checkout (the
+# bundle mounts it): BUNDLE=CACHE/KEY-oci-H (H: a hash of REPO; removed with the image when the key changes)
+# holding rootfs -> KEY (Slurm 22.05 runs BUNDLE/rootfs whatever config.json says) and config.json from
+# `crun spec`, edited: the rootfs read-only, no terminal, the host's pid and network namespaces and hostname
+# (the ranks' pids are host pids: the watchdog and the heartbeats use them; the ranks meet on the nodes'
+# addresses), no rlimits of its own (the step's stay), /tmp, /etc/hosts (read-only) and the checkout
+# bind-mounted at their own paths, the checkout as the working directory (Slurm 22.05 writes the step's argv
+# and environment into config.json, not its working directory). Rewritten only when its text changes.
+oci_bundle() {
+  local spec text
+  command -v crun >/dev/null || die "crun is not installed (scripts/test.sh installs it as root)"
+  BUNDLE=$CACHE/$KEY-oci-$(printf '%s' "$REPO" | sha256sum | cut -c1-8)
+  mkdir -p -- "$BUNDLE"
+  [ "$(readlink -- "$BUNDLE/rootfs" || true)" = "../$KEY" ] || ln -sfn -- "../$KEY" "$BUNDLE/rootfs"
+  spec=$(mktemp -d "$CACHE/.build-oci.XXXXXX")
+  (cd "$spec" && crun spec) || die "crun spec failed"
+  text=$("$PY" - "$spec/config.json" "$REPO" <<'PY'
+import json
+import sys
+
+spec, repo = sys.argv[1:3]
+with open(spec) as f:
+    config = json.load(f)
+config["root"] = {"path": "rootfs", "readonly": True}
+config["process"].update(terminal=False, cwd=repo)
+config["process"].pop("rlimits", None)
+config.pop("hostname", None)
+shared = {"pid", "network", "uts"}
+config["linux"]["namespaces"] = [ns for ns in config["linux"]["namespaces"] if ns["type"] not in shared]
+binds = [("/tmp", "rw"), ("/etc/hosts", "ro")] + ([] if (repo + "/").startswith("/tmp/") else [(repo, "rw")])
+config["mounts"] += [{"destination": path, "type": "bind", "source": path, "options": ["rbind", mode]}
+                     for path, mode in binds]
+print(json.dumps(config, indent=2))
+PY
+  ) || die "could not edit crun's config.json"
+  rm -rf -- "$spec"
+  if [ "$(cat -- "$BUNDLE/config.json" 2>/dev/null)" != "$text" ]; then
+    printf '%s\n' "$text" > "$BUNDLE/config.json.tmp"; mv -f -- "$BUNDLE/config.json.tmp" "$BUNDLE/config.json"
+  fi
+}
+
 check_cache
 image_key
 exec 9>>"$CACHE/.lock"
@@ -190,12 +222,15 @@ flock 9
 # chroot: the path's symlinks resolve inside the image (its /var/run -> /run must not lead to the host's).
 case $REPO/ in /tmp/*) ;; *) chroot "$CACHE/$KEY" mkdir -p -- "$REPO" ;; esac
 # crun is podman's runtime and, in the Slurm tests, Slurm's OCI runtime: both need the cgroups prepared
-prepare_cgroups
+prepare_cgroups || die "crun cannot run here: cgroup controllers are left on cgroup2 in hybrid mode"
 if [ "$MODE" = podman ]; then
   write_containers_conf
   podman_image
   echo "CONTAINERS_CONF=$CONF"
   echo "$NAME"
+elif [ "$MODE" = oci ]; then
+  oci_bundle
+  echo "$BUNDLE"
 else
   echo "$CACHE/$KEY"
 fi

@@ -219,6 +219,15 @@ def image_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def oci_bundle() -> Path:
+    """The test image as an OCI bundle (config.json and rootfs/), for Slurm's `srun --container` with crun.
+    GPUJOBS_TEST_OCI_BUNDLE, where set, names one already made."""
+    if shutil.which("crun") is None:
+        missing("crun (Debian package crun), Slurm's OCI runtime on the test cluster")
+    return Path(os.environ.get("GPUJOBS_TEST_OCI_BUNDLE") or _test_image("oci")[-1])
+
+
+@pytest.fixture(scope="session")
 def _podman() -> tuple[str, dict[str, str]]:
     """The test image in Podman's storage, and the environment podman needs here (`podman_env`)."""
     if shutil.which("podman") is None:

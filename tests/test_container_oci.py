@@ -1,0 +1,70 @@
+"""Ranks in a container on the live Slurm cluster through Slurm's own OCI support (issue 28).
+
+`container=oci container.image=BUNDLE` renders `srun --container=BUNDLE`; slurmstepd writes the bundle's
+config.json anew for each step (the step's argv, environment, its rootfs at BUNDLE/rootfs) and runs it with the
+oci.conf that scripts/local-slurm.sh writes beside slurm.conf (crun). Slurm 22.05 runs one task per node in a
+container step, so the job is 2 nodes of 1 rank each. USR2 reaches the ranks through crun (the bundle shares
+the host's pid namespace), they agree on a checkpoint, rank 0 requeues the job, the next attempt's ranks start in
+a fresh container, resume and end bit-identical to an uninterrupted run outside any container; both attempts'
+lines name the bundle.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import test_container_slurm
+from conftest import missing, read_result, sacct_state, slurm_job_id
+from jobctl import RunningJob, attempts, slurm_rank_pids
+from test_container_slurm import MODEL, runs_the_image_python
+
+pytestmark = pytest.mark.slurm
+
+REPO = Path(__file__).resolve().parent.parent
+#: MODEL's digest, run uninterrupted as 2 local ranks outside any container: the ch-run test's module fixture
+outside_digest = test_container_slurm.outside_digest
+
+
+@pytest.fixture(scope="module")
+def oci_cluster(slurm: dict[str, str]) -> dict[str, str]:
+    """The live cluster, with Slurm's OCI support configured (an oci.conf beside its slurm.conf)."""
+    if not (Path(slurm["SLURM_CONF"]).parent / "oci.conf").is_file():
+        missing(f"Slurm's OCI support: no oci.conf beside {slurm['SLURM_CONF']} (scripts/local-slurm.sh up writes "
+                "one where crun is installed, GPUJOBS_SLURM_OCI=1)")
+    return slurm
+
+
+def test_usr2_to_ranks_in_slurm_oci_requeues_and_resumes_in_a_new_container(
+    tmp_path: Path, oci_cluster: dict[str, str], oci_bundle: Path, outside_digest: str
+) -> None:
+    run_dir = tmp_path / "run"
+    env = {**oci_cluster, "PYTHONPATH": str(REPO)}  # the checkout (the bundle mounts it) over the image's copy
+    job = RunningJob(run_dir, *MODEL, "cluster=slurm", "resources.nodes=2", "resources.procs_per_node=1",
+                     "cluster.wait=true", "container=oci", f"container.image={oci_bundle}", env=env)
+    job.wait_for_step(30)
+    job_id = slurm_job_id(job.output())
+    first = slurm_rank_pids(job_id)  # host pids: the bundle keeps the host's pid namespace
+    assert sorted(first) == [0, 1], first
+    assert all(runs_the_image_python(pid, oci_bundle / "rootfs") for pid in first.values()), first
+    subprocess.run(["scancel", "--signal=USR2", job_id], check=True, env={**os.environ, **oci_cluster})
+    assert job.wait(timeout=180) == 0, job.output()
+
+    preempted, completed = attempts(run_dir)
+    assert preempted["reason"] == "preempted" and preempted["requeue"] is True, preempted
+    assert preempted["job_id"] == completed["job_id"] == job_id
+    assert completed["reason"] == "completed" and completed["resumed_from"] == preempted["saved"], completed
+    assert completed["start_step"] == preempted["steps_done"] > 0, (preempted, completed)
+    assert completed["start"] > preempted["end"]  # a second srun step: a new crun container
+    for line in (preempted, completed):
+        assert line["image"] == str(oci_bundle) and "image_id" not in line, line  # a bundle reports no digest
+    assert read_result(run_dir)["param_digest"] == outside_digest
+    assert sacct_state(job_id, oci_cluster) == "COMPLETED"
+
+    status = subprocess.run([sys.executable, "-m", "gpujobs", "status", str(run_dir)], capture_output=True,
+                            text=True, env={**os.environ, **oci_cluster, "COLUMNS": "100"}, timeout=60)
+    assert status.returncode == 0, status.stderr
+    assert f"image: {oci_bundle}" in status.stdout, status.stdout
