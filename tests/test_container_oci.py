@@ -68,3 +68,20 @@ def test_usr2_to_ranks_in_slurm_oci_requeues_and_resumes_in_a_new_container(
                             text=True, env={**os.environ, **oci_cluster, "COLUMNS": "100"}, timeout=60)
     assert status.returncode == 0, status.stderr
     assert f"image: {oci_bundle}" in status.stdout, status.stdout
+
+
+def test_two_ranks_a_node_in_slurm_oci_are_refused_at_submit(
+    tmp_path: Path, oci_cluster: dict[str, str], oci_bundle: Path
+) -> None:
+    """Slurm 22.05's `srun --container` runs one task a node (the test cluster's version): a job of 2 ranks on
+    one node would fail only at launch, after its wait in the queue; submit refuses it in one line."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "gpujobs.submit", *MODEL, "cluster=slurm", "resources.nodes=1",
+         "resources.procs_per_node=2", "container=oci", f"container.image={oci_bundle}", f"hydra.run.dir={run_dir}"],
+        capture_output=True, text=True, env={**os.environ, **oci_cluster, "PYTHONPATH": str(REPO)}, timeout=120,
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    (line,) = [text for text in proc.stderr.splitlines() if "resources.procs_per_node" in text]
+    assert "1 with container=oci on slurm 22.05" in line and "one task a node" in line, line
+    assert not run_dir.exists()  # nothing written, nothing queued

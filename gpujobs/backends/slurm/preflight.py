@@ -15,6 +15,7 @@ from typing import Optional
 from gpujobs.backends.slurm.commands import slurm_output
 from gpujobs.base.errors import ConfigError, SubmitError
 from gpujobs.config.load import JobConfig, parse_time_minutes
+from gpujobs.config.modes import Runtime
 
 
 @dataclass
@@ -157,6 +158,26 @@ def preflight_slurm(job: JobConfig, cache: Optional[dict[tuple[bool, bool], Clus
         if cache is not None:
             cache[key] = info
     check(job, info)
+    if job.container.runtime == Runtime.oci and job.resources.ranks_per_node > 1:
+        check_oci_tasks(job, slurm_output(["srun", "--version"]).strip())
+
+
+#: The last Slurm series whose `srun --container` runs one task per node (its slurmstepd writes one
+#: config.json per node, before the task's own variables exist: read in 22.05's slurmstepd/container.c).
+OCI_ONE_TASK_UNTIL = (22, 5)
+
+
+def check_oci_tasks(job: JobConfig, version: str) -> None:
+    """Refuse a container=oci job of more than one rank a node where `version` (`srun --version`:
+    "slurm 22.05.8") runs one task per node in a container."""
+    found = re.search(r"(\d+)\.(\d+)", version)
+    if found is None or (int(found[1]), int(found[2])) > OCI_ONE_TASK_UNTIL:
+        return
+    res = job.resources
+    key, value = ("resources.gpus_per_node", res.gpus_per_node) if res.gpus_per_node else \
+        ("resources.procs_per_node", res.procs_per_node)
+    raise ConfigError(key, value, f"1 with container=oci on {version} (its srun --container runs one task a "
+                      "node: give each node one rank, or use container=pyxis, apptainer or charliecloud)")
 
 
 def max_array_size() -> int:
