@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 import test_container_slurm
-from conftest import missing, read_result, sacct_state, slurm_job_id
-from jobctl import RunningJob, attempts, slurm_rank_pids
-from test_container_slurm import MODEL, runs_the_image_python
+from conftest import missing
+from jobctl import RunningJob
+from test_container_slurm import MODEL, usr2_requeues_and_resumes
 
 pytestmark = pytest.mark.slurm
 
@@ -45,29 +45,7 @@ def test_usr2_to_ranks_in_slurm_oci_requeues_and_resumes_in_a_new_container(
     env = {**oci_cluster, "PYTHONPATH": str(REPO)}  # the checkout (the bundle mounts it) over the image's copy
     job = RunningJob(run_dir, *MODEL, "cluster=slurm", "resources.nodes=2", "resources.procs_per_node=1",
                      "cluster.wait=true", "container=oci", f"container.image={oci_bundle}", env=env)
-    job.wait_for_step(30)
-    job_id = slurm_job_id(job.output())
-    first = slurm_rank_pids(job_id)  # host pids: the bundle keeps the host's pid namespace
-    assert sorted(first) == [0, 1], first
-    assert all(runs_the_image_python(pid, oci_bundle / "rootfs") for pid in first.values()), first
-    subprocess.run(["scancel", "--signal=USR2", job_id], check=True, env={**os.environ, **oci_cluster})
-    assert job.wait(timeout=180) == 0, job.output()
-
-    preempted, completed = attempts(run_dir)
-    assert preempted["reason"] == "preempted" and preempted["requeue"] is True, preempted
-    assert preempted["job_id"] == completed["job_id"] == job_id
-    assert completed["reason"] == "completed" and completed["resumed_from"] == preempted["saved"], completed
-    assert completed["start_step"] == preempted["steps_done"] > 0, (preempted, completed)
-    assert completed["start"] > preempted["end"]  # a second srun step: a new crun container
-    for line in (preempted, completed):
-        assert line["image"] == str(oci_bundle) and "image_id" not in line, line  # a bundle reports no digest
-    assert read_result(run_dir)["param_digest"] == outside_digest
-    assert sacct_state(job_id, oci_cluster) == "COMPLETED"
-
-    status = subprocess.run([sys.executable, "-m", "gpujobs", "status", str(run_dir)], capture_output=True,
-                            text=True, env={**os.environ, **oci_cluster, "COLUMNS": "100"}, timeout=60)
-    assert status.returncode == 0, status.stderr
-    assert f"image: {oci_bundle}" in status.stdout, status.stdout
+    usr2_requeues_and_resumes(job, oci_cluster, oci_bundle, oci_bundle / "rootfs", outside_digest)
 
 
 def test_two_ranks_a_node_in_slurm_oci_are_refused_at_submit(

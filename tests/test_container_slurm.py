@@ -53,6 +53,39 @@ def runs_the_image_python(pid: int, image_dir: Path) -> bool:
     return (exe.st_dev, exe.st_ino) == (image_python.st_dev, image_python.st_ino) and bool(torch_libs) and all(
         lib.startswith("/usr/local/lib/python3") for lib in torch_libs)
 
+
+def usr2_requeues_and_resumes(job: RunningJob, cluster: dict[str, str], image: Path, rootfs: Path,
+                              outside_digest: str) -> None:
+    """Job `job` (2 nodes of 1 rank, its ranks in `image`, whose root is `rootfs`) is sent USR2 mid-run: its
+    ranks, the image's python3 with its torch, agree on a checkpoint, rank 0 requeues it (through the relay: the
+    image has no scontrol), and the next attempt resumes in a new container to the uninterrupted digest. Both
+    attempts' lines, and `gpujobs status`, name the image."""
+    run_dir = job.run_dir
+    job.wait_for_step(30)
+    job_id = slurm_job_id(job.output())
+    first = slurm_rank_pids(job_id)  # host pids: both runtimes keep the host's pid namespace
+    assert sorted(first) == [0, 1], first
+    assert all(runs_the_image_python(pid, rootfs) for pid in first.values()), first
+    subprocess.run(["scancel", "--signal=USR2", job_id], check=True, env={**os.environ, **cluster})
+    assert job.wait(timeout=180) == 0, job.output()
+
+    preempted, completed = attempts(run_dir)
+    assert preempted["reason"] == "preempted" and preempted["requeue"] is True, preempted
+    assert preempted["job_id"] == completed["job_id"] == job_id
+    assert completed["reason"] == "completed" and completed["resumed_from"] == preempted["saved"], completed
+    assert completed["start_step"] == preempted["steps_done"] > 0, (preempted, completed)
+    assert completed["start"] > preempted["end"]  # a second srun step: new processes, a new container
+    for line in (preempted, completed):
+        assert line["image"] == str(image) and "image_id" not in line, line  # neither runtime reports a digest
+    assert read_result(run_dir)["param_digest"] == outside_digest
+    assert not (rootfs / "usr/bin/scontrol").exists() and not list(run_dir.glob(".slurm-relay-*"))
+    assert sacct_state(job_id, cluster) == "COMPLETED"
+
+    status = subprocess.run([sys.executable, "-m", "gpujobs", "status", str(run_dir)], capture_output=True,
+                            text=True, env={**os.environ, **cluster, "COLUMNS": "100"}, timeout=60)
+    assert status.returncode == 0, status.stderr
+    assert f"image: {image}" in status.stdout, status.stdout
+
 def test_usr2_to_ranks_in_charliecloud_requeues_and_resumes_in_a_new_container(
     tmp_path: Path, slurm: dict[str, str], image_dir: Path, outside_digest: str
 ) -> None:
@@ -61,31 +94,7 @@ def test_usr2_to_ranks_in_charliecloud_requeues_and_resumes_in_a_new_container(
     env = {**slurm, "PYTHONPATH": str(REPO), "USER": ""}
     job = RunningJob(run_dir, *MODEL, "cluster=slurm", "resources.nodes=2", "resources.procs_per_node=1",
                      "cluster.wait=true", *in_image(image_dir), env=env)
-    job.wait_for_step(30)
-    job_id = slurm_job_id(job.output())
-    first = slurm_rank_pids(job_id)
-    assert sorted(first) == [0, 1], first
-    assert all(runs_the_image_python(pid, image_dir) for pid in first.values()), first
-    subprocess.run(["scancel", "--signal=USR2", job_id], check=True, env={**os.environ, **slurm})
-    assert job.wait(timeout=180) == 0, job.output()
-
-    preempted, completed = attempts(run_dir)
-    assert preempted["reason"] == "preempted" and preempted["requeue"] is True, preempted
-    assert preempted["job_id"] == completed["job_id"] == job_id
-    assert completed["reason"] == "completed" and completed["resumed_from"] == preempted["saved"], completed
-    assert completed["start_step"] == preempted["steps_done"] > 0, (preempted, completed)
-    assert completed["start"] > preempted["end"]  # a second srun step: new ch-run processes, a new container
-    for line in (preempted, completed):
-        assert line["image"] == str(image_dir) and "image_id" not in line, line  # ch-run reports no digest
-    assert read_result(run_dir)["param_digest"] == outside_digest
-    # the image has no scontrol: rank 0's requeue went through the supervisor's relay, which is gone with it
-    assert not (image_dir / "usr/bin/scontrol").exists() and not list(run_dir.glob(".slurm-relay-*"))
-    assert sacct_state(job_id, slurm) == "COMPLETED"
-
-    status = subprocess.run([sys.executable, "-m", "gpujobs", "status", str(run_dir)], capture_output=True,
-                            text=True, env={**os.environ, **slurm, "COLUMNS": "100"}, timeout=60)
-    assert status.returncode == 0, status.stderr
-    assert f"image: {image_dir}" in status.stdout, status.stdout
+    usr2_requeues_and_resumes(job, slurm, image_dir, image_dir, outside_digest)
 
 
 
