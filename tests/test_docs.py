@@ -24,11 +24,12 @@ from conftest import REPO, compose_job
 from gpujobs.config.validate import declared
 
 README = REPO / "README.md"
-# The rec experiment as the README runs it, and the options it does not select: the other data source, both
-# trackers and a bring-your-own script, so that together they print every key a schema has.
+# The rec experiment as the README runs it, and the options it does not select: the Kubernetes cluster's keys,
+# the other data source, both trackers and a bring-your-own script, so that together they print every key a
+# schema has.
 REC = ("+experiment=rec",)
-OTHERS = ("+experiment=rec", "data=criteo", "logger=[tensorboard,mlflow]", "+script.path=train.py",
-          "+script.args=[]", "+script.cwd=null")
+OTHERS = ("+experiment=rec", "cluster=kubernetes", "data=criteo", "logger=[tensorboard,mlflow]",
+          "+script.path=train.py", "+script.args=[]", "+script.cwd=null")
 
 
 def load_generator() -> ModuleType:

@@ -23,10 +23,12 @@ __all__ = ["Backend", "Scheduler", "backend_for", "backend_named", "names", "res
 def _backends() -> dict[str, Backend]:
     # imported here, not above: each backend's package imports `gpujobs.backends.base`, and so this one
     from gpujobs.backends.debug import DebugBackend
+    from gpujobs.backends.kubernetes import KubernetesBackend
     from gpujobs.backends.local import LocalBackend
     from gpujobs.backends.slurm import SlurmBackend
 
-    backends: dict[str, Backend] = {b.name: b for b in (LocalBackend(), DebugBackend(), SlurmBackend())}
+    backends: dict[str, Backend] = {
+        b.name: b for b in (LocalBackend(), DebugBackend(), SlurmBackend(), KubernetesBackend())}
     return backends
 
 

@@ -21,7 +21,7 @@ from gpujobs.base.errors import ConfigError
 from gpujobs.config.load import JobConfig
 
 #: Why `cluster.dry_run` is refused where no script is queued (a dry run prints the script).
-NO_SCRIPT = "false unless cluster=slurm (a dry run prints the sbatch script)"
+NO_SCRIPT = "false unless cluster=slurm or cluster=kubernetes (a dry run prints the sbatch script or the JobSet)"
 #: What a preflight may keep across the points of a sweep (what the cluster said, asked once).
 PreflightCache = dict[Any, Any]
 

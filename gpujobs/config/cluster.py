@@ -1,6 +1,7 @@
 """Where a job runs and what it asks for: `cluster` and `resources`, declared like every section of
 `gpujobs.config.schema` (which builds `JobConfig` from them and re-exports these names), with the Slurm limits
-their bounds come from: names sbatch reads, time strings, the --signal lead, --mem (torch-free).
+their bounds come from: names sbatch reads, time strings, the --signal lead, --mem (torch-free); the
+`cluster=kubernetes` keys take names as Kubernetes does (`gpujobs.config.kube_names`).
 """
 
 from __future__ import annotations
@@ -10,9 +11,10 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from gpujobs.base.errors import ConfigError
+from gpujobs.config import kube_names as kube
 from gpujobs.config.validate import NAME_MAX, Checked, bounds
 
-CLUSTERS = ("auto", "local", "debug", "slurm")
+CLUSTERS = ("auto", "local", "debug", "slurm", "kubernetes")
 NAME = re.compile(r"[A-Za-z0-9_.-]+")
 NAME_TEXT = "letters, digits and _.- (no spaces or shell characters)"
 #: A name that becomes one directory level (`cluster.folder`, `name` in the default run dir): `.` and `..`
@@ -22,6 +24,7 @@ DIR_NAME_TEXT = ("letters, digits and _.- (no spaces or shell characters), but n
                  f"{NAME_MAX} of them (a directory name)")
 _NAME_LIST = re.compile(r"[A-Za-z0-9_.,\[\]-]+")
 _NAME_LIST_TEXT = "letters, digits and _.,[]- (no spaces or shell characters)"
+_CONTROL_OR_SPACE = re.compile(r"[\s\x00-\x1f\x7f]")
 _MM_SS = re.compile(r"\s*\d+:\d{1,2}\s*")
 _TIME = re.compile(r"(?:(\d+)-)?(\d+)(?::(\d{1,2}))?(?::(\d{1,2}))?")
 #: slurmctld checks time limits every 30 s and sends a job's --signal at the first check that finds
@@ -63,11 +66,23 @@ def parse_time_minutes(text: str) -> int:
 
 
 @dataclass
+class VolumeConfig:
+    """`cluster=kubernetes`: the shared volume the run dir lies on (checked by `ClusterConfig`)."""
+
+    claim: Optional[str] = None
+    """The ReadWriteMany PersistentVolumeClaim every pod mounts (required with cluster=kubernetes)."""
+    mount_path: Optional[str] = None
+    """Where the pods mount it: an absolute path under which the run dir must lie (required with
+    cluster=kubernetes; mount the volume at the same path on the submit host)."""
+
+
+@dataclass
 class ClusterConfig(Checked):
     """Where the job runs and how long it may take."""
 
     name: str = field(default="auto", metadata=bounds(one_of=CLUSTERS))
-    """local | debug | slurm; auto picks slurm when sbatch and a Slurm config are found, else local
+    """local | debug | slurm | kubernetes (renders a JobSet: docs/guides/kubernetes.md); auto picks slurm when
+    sbatch and a Slurm config are found, else local
     (on the submit side: `gpujobs.backends.resolve_cluster_name`; config.yaml holds the name it picked)."""
     partition: Optional[str] = field(default=None, metadata=bounds(pattern=NAME, allowed=NAME_TEXT))
     """Slurm partition (default: the cluster's default partition)."""
@@ -110,12 +125,35 @@ class ClusterConfig(Checked):
     folder: str = field(default="submitit", metadata=bounds(pattern=DIR_NAME, allowed=DIR_NAME_TEXT))
     """Sub-directory of the run dir for submitit's pickles and per-rank logs."""
     dry_run: bool = False
-    """Slurm: print the exact sbatch script that would be queued, and write and queue nothing."""
+    """Slurm: print the exact sbatch script that would be queued (Kubernetes: the JobSet, for kubectl apply -f),
+    and write and queue nothing."""
     array_parallelism: Optional[int] = field(default=None, metadata=bounds(ge=1))
     """Slurm sweeps (`-m`): at most this many points of the job array run at once (null: no limit)."""
+    namespace: str = field(default="default", metadata=bounds(pattern=kube.DNS_LABEL, allowed=kube.DNS_LABEL_TEXT))
+    """Kubernetes: the namespace of the JobSet."""
+    queue: Optional[str] = field(default=None, metadata=bounds(pattern=kube.QUEUE_NAME, allowed=kube.QUEUE_NAME_TEXT))
+    """Kubernetes: the Kueue LocalQueue (the `kueue.x-k8s.io/queue-name` label; null: no Kueue)."""
+    priority_class: Optional[str] = field(
+        default=None, metadata=bounds(pattern=kube.DNS_SUBDOMAIN, allowed=kube.DNS_SUBDOMAIN_TEXT))
+    """Kubernetes: the pods' PriorityClass (priorityClassName; null: the cluster's default)."""
+    node_selector: Optional[dict[str, str]] = None
+    """Kubernetes: the labels a node must have (nodeSelector), label key -> value (null: any node)."""
+    tolerations: list[dict[str, str]] = field(default_factory=list)
+    """Kubernetes: taints the pods tolerate, each {key, operator (Equal | Exists), value, effect (NoSchedule |
+    PreferNoSchedule | NoExecute)}."""
+    service_account: Optional[str] = field(
+        default=None, metadata=bounds(pattern=kube.DNS_SUBDOMAIN, allowed=kube.DNS_SUBDOMAIN_TEXT))
+    """Kubernetes: the pods' ServiceAccount (null: the namespace's default)."""
+    gpu_resource: str = field(
+        default="nvidia.com/gpu", metadata=bounds(pattern=kube.EXTENDED_RESOURCE, allowed=kube.EXTENDED_RESOURCE_TEXT))
+    """Kubernetes: the extended resource each pod asks `resources.gpus_per_node` of (a MIG profile's, an MPS or
+    vGPU scheduler's name where the site shares GPUs that way)."""
+    volume: VolumeConfig = field(default_factory=VolumeConfig)
+    """Kubernetes: the shared volume of the run dir (`claim`, `mount_path`)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        self._check_kubernetes()
         try:
             limit_s = parse_time_minutes(self.time) * 60
         except ConfigError as err:
@@ -139,6 +177,21 @@ class ClusterConfig(Checked):
                 f"below {limit_s - SLURM_LIMIT_CHECK_S} s with time={self.time} (the time limit less the "
                 f"{SLURM_LIMIT_CHECK_S} s by which Slurm may send the signal early)",
             )
+
+    def _check_kubernetes(self) -> None:
+        """The Kubernetes keys that are more than one name: node labels, tolerations, the volume."""
+        kube.check_node_selector("node_selector", self.node_selector or {})
+        for index, toleration in enumerate(self.tolerations):
+            kube.check_toleration(f"tolerations[{index}]", toleration)
+        claim, mount = self.volume.claim, self.volume.mount_path
+        if claim is not None and not kube.DNS_SUBDOMAIN.fullmatch(claim):
+            raise ConfigError("volume.claim", claim, f"a PersistentVolumeClaim name: {kube.DNS_SUBDOMAIN_TEXT}")
+        if mount is not None and (not mount.startswith("/") or ":" in mount or _CONTROL_OR_SPACE.search(mount)):
+            raise ConfigError("volume.mount_path", mount, "an absolute path without ':' or whitespace")
+        if self.name == "kubernetes" and (claim is None or mount is None):
+            key = "volume.claim" if claim is None else "volume.mount_path"
+            raise ConfigError(key, None, "a value with cluster=kubernetes (the run dir lies on a ReadWriteMany "
+                                         "PVC: cluster.volume.claim=NAME cluster.volume.mount_path=/PATH)")
 
     @property
     def timeout_min(self) -> int:

@@ -350,6 +350,14 @@ def _carry_out(plan: SweepPlan) -> list[Outcome]:
         if any(backend_for(p.job).follows(p.job) for p in slurm):
             wait_for(queued)
         outcomes += queued
+    rendered = [p for p in others if p.job.cluster.dry_run]  # a backend that renders without queueing
+    if rendered:  # one YAML document a point (cluster=kubernetes: a JobSet each, for one kubectl apply -f)
+        try:  # a point refused (its run dir off the volume) leaves nothing either
+            text = "---\n".join(backend_for(p.job).render(p.job, p.run_dir) for p in rendered)
+        finally:
+            plan.discard()
+        print(text, end="", flush=True)
+        return outcomes + [Outcome(p, 0) for p in rendered]
     return outcomes + run_here(plan.sweep_dir, others)
 
 
