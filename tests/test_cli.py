@@ -88,7 +88,7 @@ def test_every_subcommand_has_its_help(tmp_path: Path, name: str) -> None:
     proc = gpujobs(name, "--help", cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     if name == "submit":  # Hydra's own help: the config groups of conf/
-        assert "cluster: auto, debug, local, slurm" in proc.stdout, proc.stdout
+        assert "cluster: auto, debug, kubernetes, local, slurm" in proc.stdout, proc.stdout
     else:
         assert proc.stdout.startswith(f"usage: gpujobs {name} "), proc.stdout
 

@@ -279,3 +279,14 @@ def test_the_jobset_name_is_a_dns_label_that_leaves_room_for_pod_hostnames() -> 
     assert kube.DNS_LABEL.fullmatch(name) and name[0].isalpha()
     assert len(f"{name}-{js.REPLICATED_JOB}-0-99999") <= 63
     assert name != js.jobset_name(job, Path(MOUNT) / "y")
+
+
+def test_a_kubernetes_key_with_another_cluster_is_refused_not_ignored(tmp_path: Path) -> None:
+    """Only conf/cluster/kubernetes.yaml sets the Kubernetes keys: on cluster=local `cluster.namespace` is an
+    unknown key, one line, exit 2, nothing written."""
+    run_dir = tmp_path / "run"
+    proc = submit(run_dir, "+experiment=rec", "+debug=tiny", "cluster=local", "cluster.namespace=ml")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("gpujobs: config error: cluster.namespace='ml' is invalid: allowed a key of cluster:"), line
+    assert "namespace" not in line.split("allowed", 1)[1] and not run_dir.exists()

@@ -76,6 +76,12 @@ class VolumeConfig:
     cluster=kubernetes; mount the volume at the same path on the submit host)."""
 
 
+#: The keys only conf/cluster/kubernetes.yaml sets: with another cluster the composed config has none of them, so
+#: Hydra refuses `cluster.namespace=...` there as an unknown key rather than let it be ignored.
+KUBERNETES_KEYS = frozenset({"namespace", "queue", "priority_class", "node_selector", "tolerations",
+                             "service_account", "gpu_resource", "volume"})
+
+
 @dataclass
 class ClusterConfig(Checked):
     """Where the job runs and how long it may take."""
