@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -18,7 +19,10 @@ import pytest
 from conftest import SLOW, read_result, slurm_job_id, submit
 from jobctl import RunningJob, attempts, slurm_rank_pids
 
+from gpujobs.attempt.evidence import take_stacks
 from gpujobs.base.process import alive
+from gpujobs.rundir import HEARTBEAT_DIR
+from gpujobs.rundir.heartbeat import Beat, stacks_path
 
 HANG_TIMEOUT_S = 8
 HANG = (*SLOW, f"trainer.hang_timeout_s={HANG_TIMEOUT_S}", "cluster.max_restarts=1")
@@ -64,6 +68,52 @@ def test_a_stopped_rank_is_found_hung_and_the_job_resumes(tmp_path: Path, straig
 
     assert completed["reason"] == "completed" and completed["resumed_from"].endswith("step_00000020"), completed
     assert read_result(run_dir)["param_digest"] == straight_digest
+
+
+_SLOW_DUMPER = """
+import faulthandler, io, os, signal, sys, tempfile, threading, time
+stacks = sys.argv[1]
+def dump(signum, frame):
+    with tempfile.TemporaryFile("w+") as whole:  # a real dump, written out in two parts with a pause between
+        faulthandler.dump_traceback(whole, all_threads=True)
+        whole.seek(0)
+        text = whole.read()
+    cut = text.index("Current thread")
+    with open(stacks, "a") as out:
+        out.write(text[:cut]); out.flush()
+        time.sleep(1.0)  # descheduled mid-dump, as a rank on a busy node is
+        out.write(text[cut:])
+signal.signal(signal.SIGUSR1, dump)
+threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
+print(threading.main_thread().ident, flush=True)
+while True:
+    time.sleep(0.01)
+"""
+
+
+def test_stacks_are_taken_whole_from_a_rank_that_pauses_mid_dump(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank whose handler writes one thread, then stalls for a second, then the main thread: the evidence
+    holds the main thread's frames (before, it was read 0.2 s after the first bytes, half a dump)."""
+    monkeypatch.setenv("PATH", path_without_py_spy())  # the rank's own handler answers
+    run_dir = tmp_path / "run"
+    (run_dir / HEARTBEAT_DIR).mkdir(parents=True, mode=0o700)
+    stacks = stacks_path(run_dir, 0)
+    rank = subprocess.Popen([sys.executable, "-c", _SLOW_DUMPER, str(stacks)], stdout=subprocess.PIPE, text=True)
+    try:
+        main_thread = int(rank.stdout.readline())
+        beat = Beat(rank=0, pid=rank.pid, node="n", host=socket.gethostname(), instance="i", started=0.0,
+                    main_thread=main_thread)
+        out = tmp_path / "evidence"
+        out.mkdir()
+        how = take_stacks(run_dir, out, {0: beat})
+        text = (out / "rank_0.txt").read_text()
+        assert how[0] == "faulthandler", how
+        assert text.startswith("Thread 0x"), text  # the other thread's block first
+        assert f"Current thread 0x{main_thread:016x}" in text and "in <module>" in text, text
+    finally:
+        rank.kill()
+        rank.wait()
 
 
 def test_a_hang_whose_evidence_cannot_be_kept_is_still_killed_and_recorded(tmp_path: Path) -> None:

@@ -39,6 +39,8 @@ log = logging.getLogger(__name__)
 
 _PY_SPY_TIMEOUT_S = 20.0
 _FAULTHANDLER_WAIT_S = 3.0
+#: How long a dump's file must stay the same size to be taken as whole (its last thread's frames).
+_SETTLED_S = 0.3
 _FLIGHT_RECORDER_WAIT_S = 5.0
 #: Stem of the NCCL flight recorder's dumps: `<stem><rank>`, in the heartbeat dir.
 NCCL_TRACE_STEM = "nccl_trace_rank_"
@@ -106,7 +108,8 @@ def take_stacks(run_dir: Path, out: Path, ranks: dict[int, Beat],
             how[rank] = "py-spy"
             continue
         if pid is not None and stopped(pid):  # it runs no handler until it continues: alone, then stops again
-            _stacks_of_stopped(stacks_path(run_dir, rank), pid, [p for p in here.values() if p != pid])
+            _stacks_of_stopped(stacks_path(run_dir, rank), ranks[rank].main_thread, pid,
+                               [p for p in here.values() if p != pid])
             how[rank] = "faulthandler (stopped: continued alone to write them, then stopped again)"
         elif pid is not None:
             os.kill(pid, STACKS_SIGNAL)
@@ -117,13 +120,9 @@ def take_stacks(run_dir: Path, out: Path, ranks: dict[int, Beat],
     if asked and any(rank not in here for rank in asked) and signal_remote is not None:
         signal_remote()
     deadline = time.monotonic() + _FAULTHANDLER_WAIT_S
-    pending = set(asked)
-    while pending and time.monotonic() < deadline:
-        for rank in sorted(pending):
-            if _answered(stacks_path(run_dir, rank)):
-                pending.discard(rank)
-        time.sleep(0.1)
-    time.sleep(0.2 if asked else 0)  # let the last handler finish its lines
+    waits = {rank: _Answer(stacks_path(run_dir, rank), ranks[rank].main_thread) for rank in asked}
+    while not all(wait.whole() for wait in waits.values()) and time.monotonic() < deadline:
+        time.sleep(0.05)
     for rank in asked:
         try:  # never through a link: its target's text would be copied into the evidence
             text = read_own(stacks_path(run_dir, rank))
@@ -135,16 +134,41 @@ def take_stacks(run_dir: Path, out: Path, ranks: dict[int, Beat],
     return how
 
 
-def _answered(stacks: Path) -> bool:
-    """Whether a rank's faulthandler has written into `stacks` (a link there is no answer)."""
-    try:
-        info = os.lstat(stacks)
-    except OSError:
-        return False
-    return S_ISREG(info.st_mode) and info.st_size > 0
+class _Answer:
+    """A rank's faulthandler answer in `stacks`, watched until whole. faulthandler writes the threads one
+    by one, the main thread last; a rank descheduled mid-dump (a busy node) leaves a part of it for a
+    while, so the answer is whole once the main thread's block (`main_thread`: its ident, 0 when not
+    known) is there and the file has stopped growing. A link there is no answer."""
+
+    def __init__(self, stacks: Path, main_thread: int) -> None:
+        self.stacks = stacks
+        self.header = f"thread 0x{main_thread:016x} (most recent call first)" if main_thread else ""
+        self.size = -1
+        self.since = time.monotonic()
+
+    def whole(self) -> bool:
+        """Whether the dump is whole now (call it every few tens of milliseconds)."""
+        try:
+            info = os.lstat(self.stacks)
+        except OSError:
+            return False
+        if not S_ISREG(info.st_mode) or info.st_size == 0:
+            return False
+        now = time.monotonic()
+        if info.st_size != self.size:
+            self.size, self.since = info.st_size, now
+            return False
+        if now - self.since < _SETTLED_S:
+            return False
+        if not self.header:
+            return True
+        try:
+            return self.header in read_own(self.stacks)
+        except OSError:
+            return False
 
 
-def _stacks_of_stopped(written: Path, pid: int, others: list[int]) -> None:
+def _stacks_of_stopped(written: Path, main_thread: int, pid: int, others: list[int]) -> None:
     """SIGUSR1, then SIGCONT, to stopped rank `pid`, until its faulthandler has written `written`; then it is
     stopped again. The ranks beside it (`others`, on this machine) are held still meanwhile: once the
     stopped rank runs, the attempt judged hung could go on training, saving and recording past its verdict."""
@@ -156,9 +180,9 @@ def _stacks_of_stopped(written: Path, pid: int, others: list[int]) -> None:
         os.kill(pid, STACKS_SIGNAL)
         os.kill(pid, signal.SIGCONT)
         deadline = time.monotonic() + _FAULTHANDLER_WAIT_S
-        while not _answered(written) and time.monotonic() < deadline:
+        answer = _Answer(written, main_thread)
+        while not answer.whole() and time.monotonic() < deadline:
             time.sleep(0.05)
-        time.sleep(0.2)  # let the handler finish its lines
         os.kill(pid, signal.SIGSTOP)
     except ProcessLookupError:
         pass  # it is gone: nothing more to read, nothing to hold

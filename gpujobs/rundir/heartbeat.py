@@ -89,6 +89,9 @@ class Beat:
     """How many times the rank's thread has written the file: a counter that stops is a process that stopped."""
     flight_recorder: bool = False
     """Whether torch made the flight recorder's request pipe (a dump can be asked for)."""
+    main_thread: int = 0
+    """The main thread's ident, as faulthandler names it: a dump is whole once that thread's block, the
+    last one it writes, is there (0: not known, from an older heartbeat)."""
 
 
 def interval_for(hang_timeout_s: float) -> float:
@@ -169,7 +172,7 @@ class Heartbeat(NoBeat):
         self.interval_s = interval_s
         self.path = heartbeat_path(run_dir, rank)
         self._identity = Beat(rank=rank, pid=os.getpid(), node=node, host=socket.gethostname(), instance=instance(),
-                              started=round(time.time(), 3))
+                              started=round(time.time(), 3), main_thread=threading.main_thread().ident or 0)
         self._beats = 0
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
