@@ -108,13 +108,19 @@ def _no_job_outlives_its_test() -> Iterator[None]:
     RunningJob.started.clear()
 
 
+def uninterrupted_digest(tmp_path_factory: pytest.TempPathFactory, name: str, *overrides: str) -> str:
+    """The `param_digest` of a run of `overrides` from start to end in a fresh dir: the reference an
+    interrupted or relocated run of the same training must end with."""
+    run_dir = tmp_path_factory.mktemp(name) / "run"
+    proc = submit(run_dir, *overrides)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return str(read_result(run_dir)["param_digest"])
+
+
 @pytest.fixture(scope="session")
 def straight_digest(tmp_path_factory: pytest.TempPathFactory) -> str:
     """The `param_digest` of an uninterrupted run of SLOW: what every interrupted run must end with."""
-    run_dir = tmp_path_factory.mktemp("straight") / "run"
-    proc = submit(run_dir, *SLOW)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return str(read_result(run_dir)["param_digest"])
+    return uninterrupted_digest(tmp_path_factory, "straight", *SLOW)
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import read_result, sacct_state, slurm_job_id, submit
+from conftest import read_result, sacct_state, slurm_job_id, uninterrupted_digest
 from jobctl import RunningJob, attempts, slurm_rank_pids
 
 from gpujobs.backends.slurm.relay import RELAY_ENV, Relay
@@ -30,10 +30,7 @@ MODEL = ("+experiment=rec", "+debug=tiny", "trainer.max_steps=200", "checkpoint.
 @pytest.fixture(scope="module")
 def outside_digest(tmp_path_factory: pytest.TempPathFactory) -> str:
     """MODEL uninterrupted as 2 local ranks, no container (same world size, same numerics)."""
-    run_dir = tmp_path_factory.mktemp("outside") / "run"
-    proc = submit(run_dir, *MODEL, "cluster=local")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return str(read_result(run_dir)["param_digest"])
+    return uninterrupted_digest(tmp_path_factory, "outside", *MODEL, "cluster=local")
 
 
 def in_image(image_dir: Path) -> tuple[str, ...]:

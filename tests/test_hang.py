@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import SLOW, read_result, slurm_job_id, submit
+from conftest import SLOW, read_result, slurm_job_id, uninterrupted_digest
 from jobctl import RunningJob, attempts, slurm_rank_pids
 
 from gpujobs.attempt.evidence import take_stacks
@@ -145,11 +145,8 @@ ON_SLURM = (
 @pytest.fixture(scope="module")
 def slurm_reference(tmp_path_factory: pytest.TempPathFactory) -> str:
     """The same training as ON_SLURM, uninterrupted, as 2 local ranks."""
-    run_dir = tmp_path_factory.mktemp("reference") / "run"
     local = [o for o in ON_SLURM if not o.startswith(("cluster=", "resources.nodes", "cluster.wait"))]
-    proc = submit(run_dir, *local, "cluster=local")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return str(read_result(run_dir)["param_digest"])
+    return uninterrupted_digest(tmp_path_factory, "reference", *local, "cluster=local")
 
 
 def test_a_hung_attempt_leaves_no_prometheus_target_behind(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import read_result, sacct_state, slurm_job_id, submit
+from conftest import read_result, sacct_state, slurm_job_id, uninterrupted_digest
 from jobctl import RunningJob, attempts, slurm_rank_pids
 
 pytestmark = pytest.mark.slurm
@@ -33,20 +33,14 @@ ONE_NODE = (
 @pytest.fixture(scope="module")
 def reference_digest(tmp_path_factory: pytest.TempPathFactory) -> str:
     """The same training, uninterrupted, as 2 local ranks (same world size, same numerics)."""
-    run_dir = tmp_path_factory.mktemp("reference") / "run"
-    proc = submit(run_dir, *MODEL, "cluster=local")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return str(read_result(run_dir)["param_digest"])
+    return uninterrupted_digest(tmp_path_factory, "reference", *MODEL, "cluster=local")
 
 
 @pytest.fixture(scope="module")
 def one_node_digest(tmp_path_factory: pytest.TempPathFactory) -> str:
     """ONE_NODE's training, uninterrupted, as 2 local ranks."""
-    run_dir = tmp_path_factory.mktemp("one-node") / "run"
-    proc = submit(run_dir, *MODEL, "resources.procs_per_node=2", "telemetry.debug_slow_rank=0",
-                  "telemetry.debug_slow_ms=40", "cluster=local")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return str(read_result(run_dir)["param_digest"])
+    return uninterrupted_digest(tmp_path_factory, "one-node", *MODEL, "resources.procs_per_node=2",
+                                "telemetry.debug_slow_rank=0", "telemetry.debug_slow_ms=40", "cluster=local")
 
 
 def catches(pid: int, signum: int) -> bool:
