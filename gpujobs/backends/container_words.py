@@ -19,6 +19,17 @@ from gpujobs.config.load import JobConfig
 #: The interpreter the ranks run inside: the image's, found on its PATH (the submitting Python's path means
 #: nothing there). Debian-based images, NGC's and Apptainer's all have `python3`.
 CONTAINER_PYTHON = "python3"
+#: Where a system's own Python lives: its bin stays on PATH (srun and the Slurm commands are there too; an
+#: image's python3 is found in the same places).
+SYSTEM_BINS = frozenset({"/usr/bin", "/bin", "/usr/local/bin"})
+
+
+def submitting_bins(python: str, virtual_env: Optional[str] = None) -> list[str]:
+    """The bins of the submitting Python (`python`'s own, an active venv's) that a runtime passing PATH on
+    (ch-run) must not search inside: their `python3` is a link to a host interpreter, or, mounted with the
+    submit directory, a working one with host packages, and the image's must win. System bins stay."""
+    bins = [str(Path(python).parent), *([str(Path(virtual_env) / "bin")] if virtual_env else [])]
+    return sorted({path for path in bins if path not in SYSTEM_BINS})
 
 
 def same_path_mounts(job: JobConfig, root: Path, submit_dir: Path) -> list[Mount]:

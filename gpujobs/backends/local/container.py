@@ -20,7 +20,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Optional
 
-from gpujobs.backends.container_words import CONTAINER_PYTHON, apptainer_words, ch_run_words, same_path_mounts
+from gpujobs.backends.container_words import (
+    CONTAINER_PYTHON,
+    apptainer_words,
+    ch_run_words,
+    same_path_mounts,
+    submitting_bins,
+)
 from gpujobs.base.errors import ConfigError
 from gpujobs.config.container import ContainerConfig, Mount
 from gpujobs.config.load import JobConfig
@@ -79,8 +85,7 @@ def _ch_run(box: ContainerConfig, mounts: list[Mount], workdir: str, env: Mappin
     """ch-run keeps the caller's environment, which holds the launcher's venv: its `python3` (a link to a
     host interpreter, or through a mount of the submit directory a working one with host packages) must not
     be the one found inside, so PATH loses the venv's bin and VIRTUAL_ENV goes. ch-run needs USER set."""
-    venvs = {str(Path(p) / "bin") for p in (env.get("VIRTUAL_ENV"), sys.prefix if sys.prefix != sys.base_prefix
-                                            else None) if p}
+    venvs = set(submitting_bins(sys.executable, env.get("VIRTUAL_ENV")))
     path = os.pathsep.join(d for d in env.get("PATH", os.defpath).split(os.pathsep) if d and d not in venvs)
     user = [] if env.get("USER") else ["env", f"USER={pwd.getpwuid(os.getuid()).pw_name}"]
     return [*user, *ch_run_words(box, mounts, workdir, ["--unset-env=VIRTUAL_ENV", f"--set-env=PATH={path}"])]

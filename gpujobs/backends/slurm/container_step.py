@@ -15,14 +15,17 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpujobs.backends.container_words import CONTAINER_PYTHON, apptainer_words, ch_run_words, same_path_mounts
+from gpujobs.backends.container_words import (
+    CONTAINER_PYTHON,
+    apptainer_words,
+    ch_run_words,
+    same_path_mounts,
+    submitting_bins,
+)
 from gpujobs.config.container import ContainerConfig, Mount
 from gpujobs.config.load import JobConfig
 from gpujobs.config.modes import Runtime
 
-#: Where a system's own Python lives: its bin stays on PATH (srun and the Slurm commands are there too; an
-#: image's python3 is found in the same places).
-SYSTEM_BINS = frozenset({"/usr/bin", "/bin", "/usr/local/bin"})
 #: The runtimes a Slurm job's step runs in.
 SLURM_RUNTIMES = frozenset({Runtime.pyxis, Runtime.apptainer, Runtime.charliecloud, Runtime.oci})
 #: enroot's GPU hook stands down where the image's NVIDIA_VISIBLE_DEVICES is `void` (pyxis, container.gpus=false).
@@ -64,9 +67,8 @@ def container_step(job: JobConfig, root: Path, submit_dir: Path, python: str = s
         words = apptainer_words(box, mounts, workdir, gpus)
         return ContainerStep(box.runtime.value, words, pass_env=tuple(box.env))
     if box.runtime == Runtime.charliecloud:
-        own_bin = str(Path(python).parent)
         return ContainerStep(box.runtime.value, ch_run_words(box, mounts, workdir),
-                             hide_bin="" if own_bin in SYSTEM_BINS else own_bin)
+                             hide_bin=next(iter(submitting_bins(python)), ""))
     # oci: the bundle's config.json holds its mounts, cwd and devices (checked at preflight)
     return ContainerStep(box.runtime.value, (f"--container={box.image}",))
 
