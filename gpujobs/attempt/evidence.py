@@ -142,7 +142,8 @@ class _Answer:
 
     def __init__(self, stacks: Path, main_thread: int) -> None:
         self.stacks = stacks
-        self.header = f"thread 0x{main_thread:016x} (most recent call first)" if main_thread else ""
+        # "Current thread 0x...", or "Thread 0x..." where another thread ran the handler
+        self.header = f"hread 0x{main_thread:016x} (most recent call first)" if main_thread else ""
         self.size = -1
         self.since = time.monotonic()
 
