@@ -107,6 +107,22 @@ def test_a_directory_without_marker_is_never_loaded(tmp_path: Path) -> None:
     assert manager.complete_steps() == [1, 3]
 
 
+def test_a_temp_dir_whose_marker_is_written_but_not_renamed_is_no_checkpoint(tmp_path: Path) -> None:
+    """The marker is written into the temp dir before its rename: a save killed between the two leaves
+    a whole step under the temp name, which is never listed or loaded, and the next save sweeps away."""
+    manager = CheckpointManager(tmp_path / "ck", every_steps=1, keep=3)
+    save(manager, 1)
+    elsewhere = save(CheckpointManager(tmp_path / "other", every_steps=1, keep=1), 2)
+    assert sorted(p.name for p in elsewhere.iterdir()) == [MARKER, "rank_0.pt", "state.pt"]
+    unrenamed = tmp_path / "ck" / ".tmp-step_00000002"
+    elsewhere.rename(unrenamed)  # as the kill left it: marker and files durable, not yet renamed
+    assert manager.complete_steps() == [1]
+    loaded, skipped = manager.load_latest()
+    assert loaded is not None and loaded.step == 1 and skipped == []
+    save(manager, 3)
+    assert not unrenamed.exists() and manager.complete_steps() == [1, 3]
+
+
 def test_failing_save_publishes_nothing_and_names_the_last_good_step(tmp_path: Path) -> None:
     manager = CheckpointManager(tmp_path / "ck", every_steps=1, keep=1)
     save(manager, 1)

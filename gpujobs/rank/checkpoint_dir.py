@@ -7,9 +7,9 @@ Layout of one checkpoint::
     checkpoints/step_00000100/COMPLETE      the marker, written last: every file with its size and CRC-32
 
 A save is a collective with one outcome on every rank. Each rank writes its files into a temporary
-directory and fsyncs them, checksumming as it writes; one all-gather tells rank 0 which files are
-durable, and only if every rank's are does rank 0 rename the directory into place and write the
-marker. A failure anywhere publishes nothing and prunes nothing, and every rank gets the same answer.
+directory, fsyncs them and checksums them; one all-gather tells rank 0 which files are durable, and
+only if every rank's are does rank 0 write the marker into that directory and rename it into place.
+A failure anywhere publishes nothing and prunes nothing, and every rank gets the same answer.
 
 A resume is a collective too: the ranks take the newest step that verifies (sizes and checksums) for
 every rank's files. A damaged or missing file makes that step unusable for all of them, and the
@@ -189,16 +189,21 @@ class CheckpointDir:
         return self.path_for(step)
 
     def _publish(self, tmp: Path, marker: Marker) -> None:
+        """Write the marker into the temp dir, once every file it lists is durable, then rename the temp dir
+        into place: the step appears whole with its marker, or not at all.
+
+        Five fsyncs in all, what durability needs: each file's (done by its writer), the marker's, the temp
+        dir's (its entries, the marker's included; `write_marker` does both), and the checkpoints dir's
+        (the rename)."""
         final = self.path_for(marker.step)
         for extra in tmp.iterdir():  # files of an earlier attempt at this step that nobody wrote now
             if extra.name not in marker.files:
                 extra.unlink()
-        fsync_path(tmp)
+        write_marker(tmp, marker)
         if final.exists():  # a leftover without marker (it would not be listed otherwise): not a checkpoint
             shutil.rmtree(final)
         os.replace(tmp, final)
         fsync_path(self.directory)
-        write_marker(final, marker)
 
     def _sweep_temporaries(self, keep: Path) -> None:
         if not self.directory.is_dir():
