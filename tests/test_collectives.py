@@ -221,6 +221,8 @@ def _helpers_worker(rank: int, ports: tuple[int, int]) -> None:
         "any_true": lambda: collectives.any_true(True),
         "all_true": lambda: collectives.all_true(True),
         "all_gather_rows": lambda: collectives.all_gather_rows(torch.zeros(2)),
+        "start_any_true": lambda: collectives.start_any_true(True),
+        "start_all_gather_rows": lambda: collectives.start_all_gather_rows(torch.zeros(2)),
         "all_gather_objects": lambda: collectives.all_gather_objects({"rank": rank}),
         "barrier": collectives.barrier,
     }
@@ -241,12 +243,15 @@ def _helpers_worker(rank: int, ports: tuple[int, int]) -> None:
     assert collectives.all_true(rank == 0) is False and collectives.all_true(True) is True
     rows = collectives.all_gather_rows(torch.tensor([float(rank), 10.0 * rank + 1]))
     assert rows.device.type == "cpu" and rows.tolist() == [[0.0, 1.0], [1.0, 11.0]]
+    # started without waiting: both run at once, each answers when waited for, in any order
+    vote, table = collectives.start_any_true(rank == 0), collectives.start_all_gather_rows(torch.tensor([rank + 0.5]))
+    assert table.wait().tolist() == [[0.5], [1.5]] and vote.wait() is True
     assert collectives.all_gather_objects({"rank": rank}) == [{"rank": 0}, {"rank": 1}]
     collectives.barrier()
     assert checker.violations == []
     names = [call["name"] for call in checker.calls]
     # the object gather runs tensor all-gathers inside; they and the barrier stay on the CPU backend
-    assert names.count("all_reduce") == 4 and "all_gather_object" in names and "ProcessGroup.barrier" in names
+    assert names.count("all_reduce") == 5 and "all_gather_object" in names and "ProcessGroup.barrier" in names
     assert {d for call in checker.calls for d in call["devices"]} == {"cpu"}
     dist.destroy_process_group()
 

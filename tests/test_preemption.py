@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from conftest import SLOW, read_result, submit
+from conftest import SLOW, read_metrics, read_result, submit
 from jobctl import RunningJob, attempts
 from rec_store import store_from_arrays
 
@@ -29,11 +29,17 @@ def test_usr2_to_one_rank_stops_all_at_the_same_step_and_loses_nothing(tmp_path:
     assert job.wait() == 0, job.output()
     first, second = attempts(run_dir)
     assert first["reason"] == "preempted" and first["requeue"] is True
+    # the ranks vote every stop_check_every (10) steps and read the vote one step later
+    assert first["steps_done"] % 10 == 1, first
     assert first["saved"].endswith(f"step_{first['steps_done']:08d}")
     assert second["reason"] == "completed"
     assert second["start_step"] == first["steps_done"]  # zero steps redone
     assert second["resumed_from"] == first["saved"]
     assert read_result(run_dir)["param_digest"] == straight_digest
+    # a train line is written a step after its log step (its gather runs meanwhile): the stop still
+    # writes the one in flight, and each log step (every 3) of both attempts has exactly one line
+    train = [record["step"] for record in read_metrics(run_dir) if record["kind"] == "train"]
+    assert train == list(range(3, 61, 3)), train
 
 
 def test_a_stop_asked_for_in_the_last_window_lets_the_run_complete(tmp_path: Path) -> None:

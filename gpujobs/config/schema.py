@@ -109,7 +109,8 @@ class TrainerConfig(Checked):
     """Hang watchdog: how long ranks may stay in a phase that is slow by nature (start-up, a checkpoint
     save, an evaluation) before the attempt counts as hung."""
     stop_check_every: int = field(default=10, metadata=bounds(ge=1))
-    """Steps between the ranks' agreement on a pending USR2 (a tiny all-reduce); the stop itself loses no step."""
+    """Steps between the ranks' votes on a pending USR2 (a tiny all-reduce, read one step later, so no step
+    waits for it); the ranks stop after that step, and the stop itself loses no step."""
     progress: bool = True
     """Show a progress bar when the output is a terminal."""
     balance: Balance = Balance.off

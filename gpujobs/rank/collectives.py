@@ -12,11 +12,14 @@ Without a process group (one rank) every helper answers for this rank alone.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from collections.abc import Callable
+from typing import Any, Generic, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+T = TypeVar("T")
 
 
 def active() -> bool:
@@ -51,9 +54,36 @@ def _reduce(values: torch.Tensor, op: Any, group: Optional[dist.ProcessGroup] = 
     return placed.cpu()
 
 
+class Pending(Generic[T]):
+    """A collective started without waiting for it: the caller goes on (the next step's compute, say)
+    while the backend's thread exchanges the values; `wait` gives the answer, waiting only if the
+    collective has not finished by then. Every rank must start the same collectives in the same order."""
+
+    def __init__(self, work: Optional[dist.Work], answer: Callable[[], T]) -> None:
+        self._work = work
+        self._answer = answer
+
+    def wait(self) -> T:
+        """The collective's answer (the same on every rank); blocks until every rank has taken part."""
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        return self._answer()
+
+
+def start_any_true(flag: bool) -> Pending[bool]:
+    """`any_true`, started: its `wait()` is True on every rank once any rank said true."""
+    values = torch.tensor([int(flag)], dtype=torch.int32)
+    if not active():
+        return Pending(None, lambda: bool(values.item()))
+    placed = values.to(collective_device())
+    work = dist.all_reduce(placed, op=dist.ReduceOp.MAX, async_op=True)
+    return Pending(work, lambda: bool(placed.cpu().item()))
+
+
 def any_true(flag: bool) -> bool:
     """True on every rank once any rank says true (one tiny all-reduce)."""
-    return bool(_reduce(torch.tensor([int(flag)], dtype=torch.int32), dist.ReduceOp.MAX).item())
+    return start_any_true(flag).wait()
 
 
 def all_true(flag: bool, group: Optional[dist.ProcessGroup] = None) -> bool:
@@ -86,14 +116,19 @@ def sum_in_place(tensor: torch.Tensor) -> None:
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
 
 
-def all_gather_rows(row: torch.Tensor) -> torch.Tensor:
-    """Every rank's 1-D `row`, stacked in rank order on the CPU (shape: world size x len(row))."""
+def start_all_gather_rows(row: torch.Tensor) -> Pending[torch.Tensor]:
+    """`all_gather_rows`, started: its `wait()` is the table. `row` must not change until then."""
     if not active():
-        return row.unsqueeze(0)
+        return Pending(None, lambda: row.unsqueeze(0))
     placed = row.to(collective_device())
     gathered = [torch.zeros_like(placed) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, placed)
-    return torch.stack(gathered).cpu()
+    work = dist.all_gather(gathered, placed, async_op=True)
+    return Pending(work, lambda: torch.stack(gathered).cpu())
+
+
+def all_gather_rows(row: torch.Tensor) -> torch.Tensor:
+    """Every rank's 1-D `row`, stacked in rank order on the CPU (shape: world size x len(row))."""
+    return start_all_gather_rows(row).wait()
 
 
 def all_gather_objects(obj: Any, group: Optional[dist.ProcessGroup] = None) -> list[Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import time
 from pathlib import Path
@@ -10,7 +11,9 @@ from typing import Optional
 import torch
 
 from gpujobs.base.atomic import JsonlAppender
-from gpujobs.rundir.records import MetricsRecord, metrics_line
+from gpujobs.rank import collectives
+from gpujobs.rank.compute_clock import StepTimes
+from gpujobs.rundir.records import MetricsRecord, TrainRecord, metrics_line
 
 
 class MetricsLog:
@@ -33,6 +36,34 @@ class MetricsLog:
         if self._out is not None:
             self._out.close()
             self._out = None
+
+
+class GatheringTrainRecord:
+    """A log step's train record while every rank's timing and loss are gathered (one small all-gather,
+    started without waiting): the trainer goes on with the next step and writes the record at the next
+    step boundary, by when the gather has finished. `head` holds what this rank knows at the log step
+    (step, lr, samples/s, plan); the gather fills in the per-rank columns."""
+
+    def __init__(self, head: TrainRecord, times: StepTimes, local_s: float, compute_s: Optional[float]) -> None:
+        """`times`: the window's steps; `local_s`: the straggler check's signal summed over them;
+        `compute_s`: the compute clock's seconds where it runs (None: not timed)."""
+        per_sample = compute_s / times.rows if compute_s is not None and times.rows else 0.0
+        mine = torch.tensor([times.step_s, times.data_s, times.loss_sum(), local_s, per_sample * times.steps])
+        self.head, self.timed = head, compute_s is not None
+        self._table = collectives.start_all_gather_rows(mine / times.steps)  # world size x 5, on the CPU
+
+    def record(self) -> TrainRecord:
+        """The record, every rank's column filled in (waits for the gather if it has not finished)."""
+        table = self._table.wait()
+        return dataclasses.replace(
+            self.head,
+            # each rank's loss is weighted by its share times the world size: their mean is the global batch's
+            loss=round(float(table[:, 2].mean()), 6),
+            step_time_s=[round(float(x), 6) for x in table[:, 0]],
+            data_time_s=[round(float(x), 6) for x in table[:, 1]],
+            local_time_s=[round(float(x), 6) for x in table[:, 3]],
+            compute_s_per_sample=[round(float(x), 9) for x in table[:, 4]] if self.timed else [],
+        )
 
 
 def param_digest(model: torch.nn.Module) -> str:

@@ -19,7 +19,7 @@ from gpujobs.rank.balance import Balancer, replay_history
 from gpujobs.rank.checkpoint import Checkpointed, CheckpointManager
 from gpujobs.rank.compute_clock import ComputeClock, StepTimes
 from gpujobs.rank.distributed import device_names
-from gpujobs.rank.metrics import MetricsLog, param_digest
+from gpujobs.rank.metrics import GatheringTrainRecord, MetricsLog, param_digest
 from gpujobs.rank.observe.telemetry import Telemetry
 from gpujobs.rank.optim import build_optimizer, build_scheduler, schedule_is_flat
 from gpujobs.rank.precision import job_autocast
@@ -84,6 +84,8 @@ class Trainer:
         self.resume_skipped: list[dict[str, Any]] = []
         self.trained_from: Optional[float] = None
         """When the first training step of this attempt began (epoch seconds)."""
+        self.gathering: Optional[GatheringTrainRecord] = None
+        """The last log step's train record, written at the next step boundary (`_write_logged`)."""
         own = lambda: {"rng": rng_state(device)}  # noqa: E731
         checkpoints.track(Checkpointed(self.state_dict, own, self._saved_run, cfg.max_steps))
 
@@ -167,6 +169,7 @@ class Trainer:
             self._record_save(taken.background, taken.blocking_s)
 
     def _record_save(self, background: bool, blocking_s: float) -> None:
+        self._write_logged()  # the lines stay in step order
         record = self.telemetry.step(CheckpointRecord(self.step, round(blocking_s, 6), background))
         self.metrics.write(record)
 
@@ -240,6 +243,7 @@ class Trainer:
             if replaying:
                 self._write(self.balancer.replay_at(self.step))
             self.train_step(times)
+            self._write_logged()
             if cfg.log_every and (self.step % cfg.log_every == 0 or self.step == cfg.max_steps):
                 elapsed = time.perf_counter() - window_start
                 train_s += elapsed
@@ -249,13 +253,12 @@ class Trainer:
             self._checkpoint()
             if times.steps == 0:
                 window_start = time.perf_counter()
-            # All ranks check at the same steps and agree, so all stop after this same step; not after
-            # the last one, where the run completes (a stop there would only requeue a finished run).
-            if self.step < cfg.max_steps and self.step % cfg.stop_check_every == 0 and self._should_stop():
+            if self._stop_agreed():
                 stopped = True
                 break
         if times.steps:
             train_s += time.perf_counter() - window_start
+        self._write_logged()
         if not stopped:
             evals = self._evaluate(final=True)
         self._checkpoint(stop=stopped)  # a stop's save, synchronous; after the last step, none is due
@@ -298,13 +301,25 @@ class Trainer:
         }
 
     # ------------------------------------------------------------------ helpers
-    def _should_stop(self) -> bool:
-        self.beat.phase = "collective"
-        return self.preemption.should_stop()
+    def _stop_agreed(self) -> bool:
+        """Whether the ranks agreed to stop after this step. Every `stop_check_every` steps the ranks
+        start a vote on the stop flag that they read one step later, when it has long finished: no step
+        waits for the slowest rank to reach the vote. All ranks start and read at the same steps, so all
+        stop after the same step; not after the last one, where the run completes (a stop there would
+        only requeue a finished run)."""
+        cfg, preemption = self.job.trainer, self.preemption
+        if preemption.voting:
+            self.beat.phase = "collective"
+            if preemption.vote() and self.step < cfg.max_steps:
+                return True
+        if self.step < cfg.max_steps and self.step % cfg.stop_check_every == 0:
+            preemption.start_vote()
+        return False
 
     def _write(self, record: Optional[PlanRecord]) -> None:
         """A plan record (or None: nothing changed) to the metrics, on rank 0."""
         if record is not None:
+            self._write_logged()
             log.info("split plan from step %d (%s): %s rows per rank", record.step, record.reason, record.counts)
             self.metrics.write(record)
 
@@ -325,33 +340,31 @@ class Trainer:
         self._write(self.balancer.update(self.step, table[:, 0].tolist(), table[:, 1].tolist()))
 
     def _log_window(self, times: StepTimes, elapsed: float) -> None:
-        """Gather every rank's timing (one small all-gather per log line) and write the record."""
+        """Start gathering every rank's timing (one small all-gather per log line), not waiting for it:
+        the record is written at the next step boundary (`_write_logged`)."""
         self._take_compute(times)
-        per_sample = times.compute_s / times.rows if times.rows and self.timed else 0.0
         # The straggler check's signal: the compute clock's where it runs, as it holds the rank's backward
         # too (where a slower GPU, or the emulation, spends its extra time) and, on a GPU, none of the wait
         # for the others that the host clock there holds
         local_s = times.compute_s if self.timed else times.local_s
-        mine = torch.tensor(
-            [times.step_s, times.data_s, times.loss_sum(), local_s, per_sample * times.steps]
-        ) / times.steps
-        self.beat.phase = "collective"
-        table = collectives.all_gather_rows(mine)  # world size x 5, on the CPU whatever the backend
-        record = self.telemetry.step(TrainRecord(
-            step=self.step,
-            # each rank's loss is weighted by its share times the world size: their mean is the global batch's
-            loss=round(float(table[:, 2].mean()), 6),
-            lr=float(self.scheduler.get_last_lr()[0]),
+        head = TrainRecord(
+            step=self.step, loss=0.0, lr=float(self.scheduler.get_last_lr()[0]),
             samples_per_s=round(self.global_batch * times.steps / elapsed, 2),
-            step_time_s=[round(float(x), 6) for x in table[:, 0]],
-            data_time_s=[round(float(x), 6) for x in table[:, 1]],
-            local_time_s=[round(float(x), 6) for x in table[:, 3]],
-            compute_s_per_sample=[round(float(x), 9) for x in table[:, 4]] if self.timed else [],
-            counts=list(self.balancer.plan.counts),
-            balance=self.balancer.mode,
-        ))
+            counts=list(self.balancer.plan.counts), balance=self.balancer.mode,
+        )
+        self.gathering = GatheringTrainRecord(head, times, local_s, times.compute_s if self.timed else None)
+
+    def _write_logged(self) -> None:
+        """Write the train record of the last log step once gathered (waits for the gather, if one is
+        under way: at the step after the log step it has finished); before any later line, so the lines
+        stay in step order."""
+        gathering, self.gathering = self.gathering, None
+        if gathering is None:
+            return
+        self.beat.phase = "collective"
+        record = self.telemetry.step(gathering.record())
         self.metrics.write(record)
-        self.on_step(self.step, record)
+        self.on_step(gathering.head.step, record)
 
     def _evaluate(self, final: bool) -> dict[str, float]:
         """Every rank evaluates its share of the eval rows (all of them at the end, at most
@@ -361,6 +374,7 @@ class Trainer:
         max_rows = None if final else self.job.trainer.eval_max_rows
         metrics = self.task.evaluate(self.model, self.device, max_rows)
         results = {k: round(float(v), 6) for k, v in metrics.items()}
+        self._write_logged()
         if self.info.is_main:
             record = self.telemetry.step(EvalRecord(self.step, results))
             self.metrics.write(record)
