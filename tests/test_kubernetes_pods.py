@@ -7,9 +7,11 @@ which the rendered env reads from the pod's annotation) and what the image has (
 Each pod has its own hostname, `<jobset>-node-0-<index>` (a UTS namespace: `unshare --uts --mount`), and an
 /etc/hosts of its own (bind-mounted in its mount namespace) that maps every pod's name, and so MASTER_ADDR
 `<jobset>-node-0-0.<jobset>`, to 127.0.0.1, as the kubelet's hosts file and JobSet's headless service would
-resolve them. SIGTERM goes to the pod's first process only, as the container runtime sends it. The run dir
-lies under the volume's mount path (`tmp_path`), and its config.yaml is written as a submit writes it
-before it would create the JobSet (the dry run writes nothing).
+resolve them. The pods of one JobSet share a network namespace of their own (loopback only), where the
+rendered MASTER_PORT 29500 is free whatever runs on this host. SIGTERM goes to the pod's first process
+only, as the container runtime sends it. The run dir lies under the volume's mount path (`tmp_path`), and
+its config.yaml is written as a submit writes it before it would create the JobSet (the dry run writes
+nothing). Needs root and util-linux's `unshare`/`nsenter` (skipped without, failed under CI).
 """
 
 from __future__ import annotations
@@ -48,8 +50,8 @@ EXIT_BAD_INPUT, EXIT_REQUEUED = 2, 75
 
 def _can_emulate() -> None:
     """Skip (fail under CI) where this host cannot give a process its own hostname and hosts file."""
-    if shutil.which("unshare") is None or os.geteuid() != 0:
-        missing("emulated pods need `unshare --uts --mount` as root")
+    if shutil.which("unshare") is None or shutil.which("nsenter") is None or os.geteuid() != 0:
+        missing("emulated pods need util-linux's `unshare` and `nsenter` as root")
 
 
 class JobSet:
@@ -65,6 +67,7 @@ class JobSet:
         self.name = self.manifest["metadata"]["name"]
         self.hosts = mount / "hosts"
         names = [f"{self.name}-node-0-{index}" for index in range(NODES)]
+        self.network: Network | None = None  # made by the first start
         self.hosts.write_text("127.0.0.1 localhost\n" + "".join(f"127.0.0.1 {n}.{self.name} {n}\n" for n in names))
 
     @property
@@ -82,9 +85,15 @@ class JobSet:
         env.update(PATH=f"{Path(sys.executable).parent}:/usr/bin:/bin", HOME="/root", PYTHONPATH=str(REPO))
         return env
 
-    def start(self, restart: int = 0, drop: tuple[str, ...] = ()) -> list[Pod]:
-        """Every pod of restart attempt `restart` (`drop`: environment keys to leave out)."""
-        return [Pod(self, index, restart, drop) for index in range(NODES)]
+    def start(self, started: list[subprocess.Popen[str]], restart: int = 0) -> list[Pod]:
+        """Every pod of restart attempt `restart` (their processes, and the network's, go into `started`)."""
+        if self.network is None:
+            self.network = Network(self.run_dir.parent / "net-ready")
+            started.append(self.network.proc)
+        network = self.network.path
+        pods = [Pod(self, index, restart, network) for index in range(NODES)]
+        started.extend(pod.proc for pod in pods)
+        return pods
 
     def attempts(self) -> list[dict[str, Any]]:
         """The run's attempts.jsonl."""
@@ -103,31 +112,54 @@ class JobSet:
         raise AssertionError(f"no step {step} within {timeout} s: {[pod.output() for pod in pods]}")
 
 
+def child_of(pid: int, timeout: float = 20) -> int:
+    """The first child of process `pid` (`unshare --fork`'s), once it has one."""
+    children = Path(f"/proc/{pid}/task/{pid}/children")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        pids = children.read_text().split()
+        if pids:
+            return int(pids[0])
+        time.sleep(0.05)
+    raise AssertionError(f"process {pid} started no child within {timeout} s")
+
+
+class Network:
+    """A network namespace with its loopback up, held by a sleeping process: the pods' network."""
+
+    def __init__(self, ready: Path) -> None:
+        setup = f'ip link set lo up && touch {ready} && exec sleep 600'
+        self.proc = subprocess.Popen(["unshare", "--net", "--fork", "sh", "-c", setup], text=True)
+        deadline = time.monotonic() + 20
+        while not ready.exists():
+            assert self.proc.poll() is None and time.monotonic() < deadline, "no network namespace"
+            time.sleep(0.05)
+        self.path = f"/proc/{child_of(self.proc.pid)}/ns/net"
+
+
 class Pod:
     """One pod: the rendered command in its own hostname and hosts file, its output in a file."""
 
-    def __init__(self, jobset: JobSet, index: int, restart: int, drop: tuple[str, ...]) -> None:
+    def __init__(self, jobset: JobSet, index: int, restart: int, network: str) -> None:
         container = jobset.container
-        env = {k: v for k, v in jobset.pod_env(index, restart).items() if k not in drop}
+        env = jobset.pod_env(index, restart)
         self.log_path = jobset.run_dir.parent / f"pod{index}.r{restart}.log"
         self._log: IO[str] = open(self.log_path, "w")  # noqa: SIM115 (closed in wait)
         # sh sets the hostname and the hosts file, then execs the container's command: the pod's first process
         setup = 'hostname "$1" && mount --bind "$2" /etc/hosts && shift 2 && exec "$@"'
-        argv = ["unshare", "--uts", "--mount", "--fork", "sh", "-c", setup, "sh",
+        argv = ["nsenter", f"--net={network}", "unshare", "--uts", "--mount", "--fork", "sh", "-c", setup, "sh",
                 f"{jobset.name}-node-0-{index}", str(jobset.hosts), *container["command"]]
         self.proc = subprocess.Popen(argv, cwd=container["workingDir"], env=env, stdout=self._log,
                                      stderr=subprocess.STDOUT, text=True)
 
     def first_process(self) -> int:
-        """The pod's first process (unshare's child, once sh exec'd the command): what SIGTERM goes to."""
-        children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children")
+        """The pod's first process (unshare's child, nsenter having exec'd unshare): what SIGTERM goes to."""
+        pid = child_of(self.proc.pid)
         deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            pids = children.read_text().split()
-            if pids and b"gpujobs.attempt.pod" in Path(f"/proc/{pids[0]}/cmdline").read_bytes():
-                return int(pids[0])
+        while b"gpujobs.attempt.pod" not in Path(f"/proc/{pid}/cmdline").read_bytes():  # sh, until it execs
+            assert time.monotonic() < deadline, self.output()
             time.sleep(0.05)
-        raise AssertionError(f"no pod process under {self.proc.pid}: {self.output()}")
+        return pid
 
     def terminate(self) -> None:
         """What the kubelet does to an evicted pod: SIGTERM to its first process."""
@@ -145,15 +177,15 @@ class Pod:
 
 
 @pytest.fixture
-def _pods_left() -> Any:
-    """Pods of a failed test are killed with what they started."""
-    started: list[Pod] = []
-    yield started
+def started() -> Any:
+    """The processes a test started (pods, their network): killed with theirs when the test ends."""
+    procs: list[subprocess.Popen[str]] = []
+    yield procs
     from gpujobs.attempt.evidence import descendants, kill_tree
 
-    for pod in started:
-        if pod.proc.poll() is None:
-            kill_tree([*descendants(pod.proc.pid), pod.proc.pid])
+    for proc in procs:
+        if proc.poll() is None:
+            kill_tree([*descendants(proc.pid), proc.pid])
 
 
 @pytest.fixture(scope="module")
@@ -165,12 +197,12 @@ def local_digest(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(read_result(run_dir)["param_digest"])
 
 
-def test_two_pods_train_to_the_local_digest(tmp_path: Path, local_digest: str, _pods_left: list[Pod]) -> None:
+def test_two_pods_train_to_the_local_digest(tmp_path: Path, local_digest: str,
+                                            started: list[subprocess.Popen[str]]) -> None:
     """2 pods x 2 gloo ranks, as rendered, train to the digest of a local 4-rank run; one `completed` line."""
     _can_emulate()
     jobset = JobSet(tmp_path)
-    pods = jobset.start()
-    _pods_left.extend(pods)
+    pods = jobset.start(started)
     codes = [pod.wait() for pod in pods]
     assert codes == [0, 0], [pod.output() for pod in pods]
     result = read_result(jobset.run_dir)
@@ -199,13 +231,12 @@ def local_resumed_digest(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def test_sigterm_to_every_pod_checkpoints_and_the_rerun_resumes(tmp_path: Path, local_resumed_digest: str,
-                                                                _pods_left: list[Pod]) -> None:
+                                                                started: list[subprocess.Popen[str]]) -> None:
     """An eviction (SIGTERM to both pods mid-run): an agreed checkpoint, the attempt `preempted` once, the pods
     exit for a restart; the restarted pods resume from it and end as the local run stopped at that step does."""
     _can_emulate()
     jobset = JobSet(tmp_path)
-    pods = jobset.start()
-    _pods_left.extend(pods)
+    pods = jobset.start(started)
     jobset.wait_for_step(SIGNAL_AFTER, pods)
     for pod in pods:
         pod.terminate()
@@ -217,8 +248,7 @@ def test_sigterm_to_every_pod_checkpoints_and_the_rerun_resumes(tmp_path: Path, 
     assert saved == jobset.run_dir / "checkpoints" / f"step_{STOP_AT:08d}" and saved.is_dir(), stopped
     assert not (jobset.run_dir / "result.json").exists()
 
-    again = jobset.start(restart=1)
-    _pods_left.extend(again)
+    again = jobset.start(started, restart=1)
     assert [pod.wait() for pod in again] == [0, 0], [pod.output() for pod in again]
     result = read_result(jobset.run_dir)
     assert (result["resumed_from"], result["param_digest"]) == (str(saved), local_resumed_digest)
