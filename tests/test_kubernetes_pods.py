@@ -255,6 +255,22 @@ def test_sigterm_to_every_pod_checkpoints_and_the_rerun_resumes(tmp_path: Path, 
     assert [line["reason"] for line in jobset.attempts()] == ["preempted", "completed"]
 
 
+def test_a_rank_killed_in_one_pod_fails_the_attempt_once(tmp_path: Path,
+                                                         started: list[subprocess.Popen[str]]) -> None:
+    """A rank of pod 1 killed mid-run (the OOM killer): the attempt is recorded `failed` once, and every pod
+    exits with a code that the JobSet counts as a failure (neither 0 nor 2)."""
+    _can_emulate()
+    jobset = JobSet(tmp_path)
+    pods = jobset.start(started)
+    jobset.wait_for_step(SIGNAL_AFTER, pods)
+    os.kill(child_of(pods[1].first_process()), signal.SIGKILL)  # pod 1's first rank: global rank 2
+    codes = [pod.wait(timeout=120) for pod in pods]
+    assert all(code not in (0, EXIT_BAD_INPUT) for code in codes), (codes, [pod.output() for pod in pods])
+    (failed,) = jobset.attempts()
+    assert (failed["reason"], failed["world_size"]) == ("failed", NODES * PER_NODE), failed
+    assert not (jobset.run_dir / "result.json").exists()
+
+
 @pytest.mark.parametrize(("drop", "set_", "said"), [
     (("JOB_COMPLETION_INDEX",), {}, "JOB_COMPLETION_INDEX=None is invalid"),
     ((), {"JOB_COMPLETION_INDEX": "2"}, "JOB_COMPLETION_INDEX='2' is invalid: allowed an integer from 0 to 1"),

@@ -217,7 +217,10 @@ def wait_ranks(ranks: list[subprocess.Popen[bytes]], stop: StopSignals) -> list[
         if failed_at is None and any(proc.returncode not in (None, 0, EXIT_REQUEUED) for proc in ranks):
             failed_at = time.monotonic()
         if failed_at is not None and time.monotonic() - failed_at > _FAIL_GRACE_S:
-            kill_tree([proc.pid for proc in ranks if proc.poll() is None])
+            left = kill_tree([proc.pid for proc in ranks if proc.poll() is None])
+            if left:
+                print(f"gpujobs: ranks {left} of this pod outlived SIGKILL", file=sys.stderr, flush=True)
+            break
         time.sleep(_POLL_S)
     return [proc.wait() for proc in ranks]
 
