@@ -107,9 +107,11 @@ def test_the_jobset_says_what_the_config_asks() -> None:
     assert pod["terminationGracePeriodSeconds"] == 120  # cluster.signal_lead_s
     assert manifest["spec"]["network"]["enableDNSHostnames"] is True
     assert manifest["spec"]["failurePolicy"]["maxRestarts"] == 3
-    env = {e["name"]: e["value"] for e in container["env"]}
+    env = {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
     name = manifest["metadata"]["name"]
     assert env["MASTER_ADDR"] == f"{name}-node-0-0.{name}"  # JobSet's pod 0 on its headless service
+    assert env[js.JOBSET_ENV] == name
+    assert env[js.RESTART_ENV] == {"fieldRef": {"fieldPath": f"metadata.annotations['{js.RESTART_ANNOTATION}']"}}
     assert (env[js.NNODES_ENV], env[js.RANKS_PER_NODE_ENV]) == ("2", "4")
     mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
     volumes = {v["name"]: v for v in pod["volumes"]}

@@ -231,7 +231,7 @@ class LauncherSignals:
             return
         job = local_job_processes(controller)
         ready = {pid: parent for pid in job
-                 if not _runtime_client(pid) and (parent := _parent_if_catching(pid, _STOP_AND_REQUEUE)) is not None}
+                 if not _runtime_client(pid) and (parent := parent_if_catching(pid, _STOP_AND_REQUEUE)) is not None}
         for pid in ready:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, _STOP_AND_REQUEUE)
@@ -248,7 +248,7 @@ def _runtime_client(pid: int) -> bool:
         return False
 
 
-def _parent_if_catching(pid: int, signum: int) -> Optional[int]:
+def parent_if_catching(pid: int, signum: int) -> Optional[int]:
     """The parent of process `pid` where it has a handler for `signum` (/proc/PID/status), else None."""
     try:
         status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())

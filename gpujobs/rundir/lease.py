@@ -83,7 +83,7 @@ class Lease:
     def describe(self) -> str:
         """How an error line names the holder."""
         if self.job_id is not None:
-            return f"Slurm job {self.job_id}"
+            return f"{'JobSet' if self.holder == 'kubernetes' else 'Slurm job'} {self.job_id}"
         return f"a local job (launcher pid {self.pid} on {self.host})"
 
 

@@ -16,12 +16,27 @@ from gpujobs.backends.base import Backend, PreflightCache
 from gpujobs.base.errors import ConfigError
 from gpujobs.config.load import JobConfig
 from gpujobs.config.modes import Runtime
+from gpujobs.rundir import lease
 
 #: Why a submit without `cluster.dry_run` is refused in this version.
 RENDER_ONLY = ("true: this version renders the JobSet (cluster.dry_run=true > jobset.yaml; "
                "kubectl apply -f jobset.yaml)")
 IMAGE_NEEDED = ("an OCI image reference the nodes pull, with container=podman (e.g. container=podman "
                 "container.image=registry.example.com/team/rec:1): cluster=kubernetes runs the ranks in it")
+
+
+#: The lease holder's word for a JobSet (its job id: the JobSet's name, the same for every pod and restart).
+LEASE_HOLDER = "kubernetes"
+
+
+def jobset_liveness(name: str) -> tuple[bool, str]:
+    """Whether JobSet `name`, which holds a run dir's lease, may still run: a pod cannot ask the API server
+    (no client, no rights), so another JobSet's lease holds until someone who can look removes it."""
+    return True, (f"a pod cannot ask whether it still runs: once `kubectl get jobset {name}` finds none, "
+                  f"remove the run dir's lease.json")
+
+
+lease.register_job_liveness(LEASE_HOLDER, jobset_liveness)
 
 
 class KubernetesBackend(Backend):

@@ -38,10 +38,16 @@ CONTAINER = "rank"
 #: The per-node launcher each pod runs (`python3 -m POD_MODULE --folder RUN_DIR/FOLDER RUN_DIR`, the same
 #: arguments as Slurm's `gpujobs.rank.srun`). The contract it keeps: node rank from JOB_COMPLETION_INDEX (the
 #: Job controller sets it in every pod of an Indexed Job); NNODES_ENV nodes of RANKS_PER_NODE_ENV ranks; the
-#: rendezvous at MASTER_ADDR:MASTER_PORT (pod 0's DNS name); SIGTERM taken as USR2 (the agreed checkpoint).
+#: rendezvous at MASTER_ADDR:MASTER_PORT (pod 0's DNS name); SIGTERM taken as USR2 (the agreed checkpoint);
+#: exit code 2 on refused input (`gpujobs.attempt.pod`).
 POD_MODULE = "gpujobs.attempt.pod"
 NNODES_ENV = "GPUJOBS_NNODES"
 RANKS_PER_NODE_ENV = "GPUJOBS_RANKS_PER_NODE"
+#: The JobSet's name (the job that holds the run dir's lease), and its restart attempt, which JobSet keeps in
+#: every pod's annotation `RESTART_ANNOTATION` (0, then one more at each restart of the whole set).
+JOBSET_ENV = "GPUJOBS_JOBSET"
+RESTART_ENV = "GPUJOBS_RESTART_ATTEMPT"
+RESTART_ANNOTATION = "jobset.sigs.k8s.io/restart-attempt"
 MASTER_PORT = 29500
 #: Exit code 2: refused input (a bad value, a busy run dir); retrying cannot help.
 BAD_INPUT_EXIT = 2
@@ -71,10 +77,12 @@ def pod_command(job: JobConfig, run_dir: Path) -> list[str]:
     return [CONTAINER_PYTHON, "-u", "-m", POD_MODULE, "--folder", str(folder), str(run_dir)]
 
 
-def pod_env(job: JobConfig, name: str) -> list[dict[str, str]]:
-    """The pods' environment: the node count and ranks a node, the rendezvous, NCCL's settings."""
+def pod_env(job: JobConfig, name: str) -> list[dict[str, Any]]:
+    """The pods' environment: the JobSet, the node count and ranks a node, the rendezvous, NCCL's settings;
+    the restart attempt from the pod's annotation (the downward API)."""
     res = job.resources
     env = {
+        JOBSET_ENV: name,
         NNODES_ENV: str(res.nodes),
         RANKS_PER_NODE_ENV: str(res.ranks_per_node),
         "MASTER_ADDR": f"{name}-{REPLICATED_JOB}-0-0.{name}",
@@ -82,7 +90,9 @@ def pod_env(job: JobConfig, name: str) -> list[dict[str, str]]:
         **job.nccl.to_env(),
         **CUDA_ORDER_ENV,
     }
-    return [{"name": key, "value": value} for key, value in sorted(env.items())]
+    restart = {"name": RESTART_ENV,
+               "valueFrom": {"fieldRef": {"fieldPath": f"metadata.annotations['{RESTART_ANNOTATION}']"}}}
+    return [*({"name": key, "value": value} for key, value in sorted(env.items())), restart]
 
 
 def container_resources(job: JobConfig) -> dict[str, Any]:

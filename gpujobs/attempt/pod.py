@@ -1,0 +1,321 @@
+"""`python -m gpujobs.attempt.pod --folder F RUN_DIR`: the per-node supervisor in each pod of a JobSet.
+
+It is to a pod what the sbatch script's batch step and `srun` are to a Slurm node (`cluster=kubernetes`,
+`gpujobs.backends.kubernetes.jobset` renders the pods that run it). It reads its place from what the JobSet
+and Job controllers give the pod (`PodPlace`): the node index JOB_COMPLETION_INDEX, GPUJOBS_NNODES nodes of
+GPUJOBS_RANKS_PER_NODE ranks, the rendezvous MASTER_ADDR:MASTER_PORT (pod 0's DNS name), the JobSet's name
+and restart attempt; a missing or bad one is refused in one line, exit 2 (the JobSet fails at once).
+
+It then starts the node's ranks, each under submitit's job-side runner with the payload every local rank
+runs (`RankProgram(FROM_RUN_DIR)`, built from the run dir's config.yaml in the rank), with submitit's local
+environment and torchrun's variables saying where it stands: global rank = index * ranks a node + local
+rank, world = nodes * ranks a node. Each rank sees the pod's GPUs and takes the one of its local rank
+(`gpujobs.rank.distributed.gpu_index_for`), as a local job's ranks do. Their output is the pod's.
+
+SIGTERM (a Kubernetes eviction, a Kueue preemption; only the container's first process gets it) takes the
+path USR2 takes on Slurm: every rank gets USR2 (once it catches it), they agree on a stop, save one
+checkpoint and exit; rank 0 records the attempt (`preempted`). Pod 0's supervisor then judges the attempt
+as the batch step does on Slurm (`gpujobs.attempt.judge`): it writes the line the ranks could not. The
+other pods' supervisors record nothing: one line per attempt.
+
+It holds the run dir's lease for the JobSet (every pod and restart of one JobSet is one holder): a run dir
+that another JobSet or a local job holds is left alone, exit 2. Exit codes: 0 the ranks completed;
+`EXIT_REQUEUED` (75) the ranks stopped to go again; 2 refused input or a busy run dir; 1 anything else
+(the JobSet restarts for anything but 2, counted against `maxRestarts` unless the pod was evicted).
+No hang watchdog runs here yet (the local launcher's and the Slurm supervisor's do).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Optional
+
+from gpujobs.attempt import failures
+from gpujobs.attempt import slurm_task as task
+from gpujobs.attempt.evidence import kill_tree
+from gpujobs.attempt.file_sd import withdraw_left_target
+from gpujobs.attempt.judge import AttemptEnd, judge, record_verdict
+from gpujobs.attempt.local import parent_if_catching
+from gpujobs.attempt.preemption import EXIT_REQUEUED
+from gpujobs.attempt.program import FROM_RUN_DIR, RankProgram
+from gpujobs.backends.kubernetes import LEASE_HOLDER
+from gpujobs.backends.kubernetes import jobset as js
+from gpujobs.base.errors import ConfigError, GpujobsError
+from gpujobs.config.load import JobConfig
+from gpujobs.rundir import lease
+from gpujobs.rundir.attempts import AttemptLog
+from gpujobs.rundir.files import read_config
+from gpujobs.rundir.heartbeat import instance
+from gpujobs.rundir.trust import check_run_dir
+
+#: Exit code of refused input and of a busy run dir: the rendered failure policy fails the JobSet on it.
+EXIT_BAD_INPUT = js.BAD_INPUT_EXIT
+#: What the Job controller sets in every pod of an Indexed Job: the pod's index (here: its node rank).
+INDEX_ENV = "JOB_COMPLETION_INDEX"
+#: submitit's job-side runner, which each rank runs (as the local executor's tasks do).
+RUNNER = ("-u", "-m", "submitit.core._submit")
+_POLL_S = 0.2
+#: How long the node's other ranks may go on after one failed, before they are killed: their peers' errors
+#: reach them through the collectives within this, and each leaves how it ended.
+_FAIL_GRACE_S = 30.0
+
+
+@dataclass(frozen=True)
+class PodPlace:
+    """Where this pod stands in its JobSet, from its environment."""
+
+    index: int
+    nodes: int
+    per_node: int
+    master_addr: str
+    master_port: int
+    jobset: str
+    restart: int
+
+    @property
+    def world(self) -> int:
+        """Ranks of the job: every pod's."""
+        return self.nodes * self.per_node
+
+    @property
+    def attempt_id(self) -> str:
+        """This attempt's submitit job id, the same in every pod of it: the JobSet and its restart."""
+        return f"{self.jobset}-{self.restart}"
+
+    def rank_env(self, local: int) -> dict[str, str]:
+        """Local rank `local`'s place, for submitit's local environment and torchrun's variables."""
+        rank = self.index * self.per_node + local
+        return {
+            "SUBMITIT_EXECUTOR": "local", "SUBMITIT_LOCAL_JOB_ID": self.attempt_id,
+            "SUBMITIT_LOCAL_NTASKS": str(self.world), "SUBMITIT_LOCAL_JOB_NUM_NODES": str(self.nodes),
+            "SUBMITIT_LOCAL_NODEID": str(self.index), "SUBMITIT_LOCAL_GLOBALID": str(rank),
+            "SUBMITIT_LOCAL_LOCALID": str(local),
+            "RANK": str(rank), "LOCAL_RANK": str(local), "WORLD_SIZE": str(self.world),
+            "LOCAL_WORLD_SIZE": str(self.per_node), "MASTER_ADDR": self.master_addr,
+            "MASTER_PORT": str(self.master_port),
+        }
+
+
+def _count(env: dict[str, str], key: str, least: int, most: Optional[int] = None, default: Optional[str] = None) -> int:
+    """Integer `env[key]` in [least, most]; ConfigError naming the key, the value and what is allowed."""
+    value = env.get(key, default)
+    allowed = f"an integer from {least}{f' to {most}' if most is not None else ''} (the pod's environment)"
+    if value is None or not value.strip().isdigit():
+        raise ConfigError(key, value, allowed)
+    number = int(value)
+    if number < least or (most is not None and number > most):
+        raise ConfigError(key, value, allowed)
+    return number
+
+
+def read_place(env: dict[str, str]) -> PodPlace:
+    """The pod's place from `env`; ConfigError (one line) for the first value missing or out of range."""
+    nodes = _count(env, js.NNODES_ENV, 1)
+    index = _count(env, INDEX_ENV, 0, nodes - 1)
+    per_node = _count(env, js.RANKS_PER_NODE_ENV, 1)
+    port = _count(env, "MASTER_PORT", 1, 65535)
+    restart = _count(env, js.RESTART_ENV, 0, default="0")
+    for key in ("MASTER_ADDR", js.JOBSET_ENV):
+        if not env.get(key, "").strip():
+            raise ConfigError(key, env.get(key), "a host name (the pod's environment, as the JobSet renders it)")
+    name = env[js.JOBSET_ENV]
+    if not all(c.isalnum() or c == "-" for c in name):
+        raise ConfigError(js.JOBSET_ENV, name, "a JobSet's name: a DNS label")
+    return PodPlace(index, nodes, per_node, env["MASTER_ADDR"], port, name, restart)
+
+
+def check_shape(job: JobConfig, place: PodPlace) -> None:
+    """The pod's environment and the run dir's config say the same allocation (a JobSet edited by hand, or
+    rendered for another run dir, would train another world size)."""
+    res = job.resources
+    for key, value, config_key, wanted in ((js.NNODES_ENV, place.nodes, "resources.nodes", res.nodes),
+                                           (js.RANKS_PER_NODE_ENV, place.per_node, "ranks a node", res.ranks_per_node)):
+        if value != wanted:
+            raise ConfigError(key, str(value), f"{wanted}, the run dir's {config_key}")
+
+
+class StopSignals:
+    """SIGTERM (and USR2) to the supervisor: only a flag, which `forward` passes to the ranks as USR2."""
+
+    def __init__(self) -> None:
+        self.asked = False
+        self._told: set[int] = set()
+
+    def install(self) -> StopSignals:
+        for signum in (signal.SIGTERM, signal.SIGUSR2):
+            signal.signal(signum, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
+        if not self.asked:
+            print(f"gpujobs: the pod got {signal.Signals(signum).name}: its ranks stop at the next step, after an "
+                  "agreed checkpoint", file=sys.stderr, flush=True)
+        self.asked = True
+
+    def forward(self, ranks: list[subprocess.Popen[bytes]]) -> None:
+        """USR2 once to each live rank that catches it (one still starting would die of it: a later poll)."""
+        if not self.asked:
+            return
+        for proc in ranks:
+            if proc.pid in self._told or proc.poll() is not None:
+                continue
+            if parent_if_catching(proc.pid, signal.SIGUSR2) is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, signal.SIGUSR2)
+                self._told.add(proc.pid)
+
+
+def take_run_dir(train_dir: Path, place: PodPlace) -> None:
+    """Take the run dir's lease for the JobSet, or exit 2 when another live job holds it."""
+    me = dataclasses.replace(lease.here(place.jobset), holder=LEASE_HOLDER)
+    try:
+        lease.acquire(train_dir, me, wait_s=0)
+    except lease.LeaseHeld as err:
+        print(f"gpujobs: {err}; this pod (JobSet {place.jobset}) stands down and leaves the run dir as it is",
+              file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_BAD_INPUT) from None
+
+
+def write_payload(folder: Path, job: JobConfig, train_dir: Path, place: PodPlace) -> None:
+    """The ranks' payload where submitit's runner looks for it; every pod writes the same one (rename keeps
+    it whole)."""
+    from gpujobs.backends.submitit_private import DelayedSubmission, cloudpickle_dump, submitted_pickle
+
+    delayed = DelayedSubmission(RankProgram(FROM_RUN_DIR, {"run_dir": str(train_dir)}))
+    delayed.set_timeout(job.cluster.timeout_min, max_num_timeout=3)
+    pickle = submitted_pickle(folder, place.attempt_id)
+    pickle.parent.mkdir(parents=True, exist_ok=True)
+    tmp = pickle.with_name(f".{pickle.name}.{uuid.uuid4().hex}")
+    cloudpickle_dump(delayed, tmp)
+    os.replace(tmp, pickle)
+
+
+def start_ranks(folder: Path, place: PodPlace) -> list[subprocess.Popen[bytes]]:
+    """The node's ranks, each under submitit's job-side runner; their output is the pod's."""
+    return [subprocess.Popen([sys.executable, *RUNNER, str(folder)],
+                             env={**os.environ, "SUBMITIT_FOLDER": str(folder), **place.rank_env(local)})
+            for local in range(place.per_node)]
+
+
+def wait_ranks(ranks: list[subprocess.Popen[bytes]], stop: StopSignals) -> list[int]:
+    """Wait for every rank, passing a stop on; once one failed, the rest get `_FAIL_GRACE_S`, then SIGKILL.
+    Returns their exit codes (negative: the signal that killed one)."""
+    failed_at: Optional[float] = None
+    while any(proc.poll() is None for proc in ranks):
+        stop.forward(ranks)
+        if failed_at is None and any(proc.returncode not in (None, 0, EXIT_REQUEUED) for proc in ranks):
+            failed_at = time.monotonic()
+        if failed_at is not None and time.monotonic() - failed_at > _FAIL_GRACE_S:
+            left = kill_tree([proc.pid for proc in ranks if proc.poll() is None])
+            if left:
+                print(f"gpujobs: ranks {left} of this pod outlived SIGKILL", file=sys.stderr, flush=True)
+            break
+        time.sleep(_POLL_S)
+    return [proc.wait() for proc in ranks]
+
+
+def describe(codes: list[int], place: PodPlace) -> str:
+    """How the node's ranks ended, for an attempt's error."""
+    said = []
+    for local, code in enumerate(codes):
+        if code != 0:
+            how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+            said.append(f"rank {place.index * place.per_node + local}: {how}")
+    return ", ".join(said) or "every rank of node 0 exited 0"
+
+
+def pod_exit(codes: list[int]) -> int:
+    """The pod's exit code from its ranks': 0 all completed, EXIT_REQUEUED all stopped or done, else 1."""
+    if all(code == 0 for code in codes):
+        return 0
+    return EXIT_REQUEUED if all(code in (0, EXIT_REQUEUED) for code in codes) else 1
+
+
+def record_node0(job: JobConfig, ledger: AttemptLog, before: int, started: float, codes: list[int],
+                 place: PodPlace) -> int:
+    """Pod 0 judges the attempt as the Slurm batch step does, and writes its line where rank 0 wrote none;
+    returns the pod's exit code."""
+    history = ledger.read()
+    ok = all(code == 0 for code in codes)
+    end = AttemptEnd(
+        ranks=place.world, started=started, exited_ok=ok, recorded=history[-1] if len(history) > before else None,
+        left=failures.left_outcome(ledger.run_dir, place.world, instance()) if not ok else None,
+        error=f"the ranks recorded nothing: {describe(codes, place)}",
+        node=socket.gethostname() if any(code < 0 for code in codes) else None, script=job.script is not None,
+    )
+    verdict = judge(end)
+    decision = record_verdict(ledger, job, verdict, recorded_by="supervisor")
+    if verdict.reason == "completed":
+        return 0
+    print(f"gpujobs: attempt ended: {verdict.reason} ({decision.why})", file=sys.stderr, flush=True)
+    return EXIT_REQUEUED if verdict.reason in ("preempted", "timeout") else pod_exit(codes) or 1
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One attempt of this pod, ready to start its ranks."""
+
+    job: JobConfig
+    folder: Path
+    train_dir: Path
+    place: PodPlace
+    before: int
+    """Lines in the ledger before it."""
+
+
+def prepare(folder: Path, run_dir: Path, place: PodPlace) -> Attempt:
+    """Read the run dir's config, take its lease, write the ranks' payload (GpujobsError: refused)."""
+    check_run_dir(run_dir)
+    check_run_dir(folder)
+    job = read_config(run_dir)
+    check_shape(job, place)
+    train_dir = task.training_dir(run_dir, place.jobset)
+    take_run_dir(train_dir, place)
+    os.environ["SUBMITIT_LOCAL_JOB_ID"] = place.attempt_id  # `instance()`: the attempt's files are this one's
+    write_payload(folder, job, train_dir, place)
+    return Attempt(job, folder, train_dir, place, len(AttemptLog(train_dir).read()))
+
+
+def supervise(attempt: Attempt, stop: StopSignals) -> int:
+    """Run this pod's ranks of one attempt; returns the pod's exit code."""
+    place = attempt.place
+    if stop.asked:  # stopped before any rank started: nothing ran, nothing to record
+        return EXIT_REQUEUED
+    print(f"gpujobs: pod {place.index} of JobSet {place.jobset} (restart {place.restart}): ranks "
+          f"{place.index * place.per_node}-{(place.index + 1) * place.per_node - 1} of {place.world}, "
+          f"rendezvous {place.master_addr}:{place.master_port}, run dir {attempt.train_dir}", flush=True)
+    started = time.time()
+    codes = wait_ranks(start_ranks(attempt.folder, place), stop)
+    if place.index != 0:
+        return pod_exit(codes)
+    withdraw_left_target(attempt.train_dir)  # the ranks are gone: a target rank 0 could not withdraw goes too
+    return record_node0(attempt.job, AttemptLog(attempt.train_dir), attempt.before, started, codes, place)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    """Read the pod's place and its run dir (exit 2 on anything refused), then supervise its ranks."""
+    stop = StopSignals().install()
+    args = task.parse_args(argv)
+    try:
+        if args.points is not None:
+            raise ConfigError("--points", str(args.points), "none: a JobSet runs one run dir")
+        attempt = prepare(args.folder, args.run_dir, read_place(dict(os.environ)))
+    except GpujobsError as err:  # a bad value, an untrusted or unreadable run dir: retrying cannot help
+        print(f"gpujobs: {err}", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_BAD_INPUT) from None
+    raise SystemExit(supervise(attempt, stop))
+
+
+if __name__ == "__main__":
+    main()
