@@ -35,10 +35,11 @@ from gpujobs.rundir import lease
 from gpujobs.rundir.files import write_config
 
 #: 60 slowed steps on 2 nodes x 2 gloo ranks: long enough to interrupt mid-run, short enough for 2 shared cores.
-#: The ranks look at a stop every 30 steps: a signal after step 12 (`SIGNAL_AFTER`) stops them all at step 30.
+#: The ranks vote on a stop every 30 steps and read the vote a step later: a signal after step 12
+#: (`SIGNAL_AFTER`) stops them all at step 31.
 TRAIN = ("+experiment=rec", "+debug=tiny", "trainer.max_steps=60", "checkpoint.every_steps=10",
          "telemetry.debug_slow_rank=0", "telemetry.debug_slow_ms=40", "trainer.stop_check_every=30")
-SIGNAL_AFTER, STOP_AT = 12, 30
+SIGNAL_AFTER, STOP_AT = 12, 31
 NODES, PER_NODE = 2, 2
 #: The JobSet's shape and what cluster=kubernetes needs besides (the image is never pulled here).
 KUBE = ("cluster=kubernetes", "cluster.dry_run=true", "cluster.volume.claim=team-runs", "container=podman",
