@@ -99,7 +99,8 @@ def test_usr2_while_the_ranks_start_is_not_lost(tmp_path: Path, slurm: dict[str,
         time.sleep(0.005)
     assert job.wait(timeout=180) == 0, job.output()
     story = check_story(run_dir, "preempted")
-    assert story[0]["start_step"] == 0 and story[0]["steps_done"] <= 10, story  # the first agreed boundary
+    # the first agreed boundary: the vote started at step 10 (stop_check_every) is read, and agreed, at 11
+    assert story[0]["start_step"] == 0 and story[0]["steps_done"] <= 11, story
     assert read_result(run_dir)["param_digest"] == reference_digest
 
 

@@ -26,10 +26,12 @@ class MetricsLog:
         self._out = JsonlAppender(path) if path is not None else None
 
     def write(self, record: MetricsRecord) -> None:
-        """Append `record`'s line, stamped with the wall-clock time (no-op on ranks other than 0)."""
+        """Append `record`'s line, stamped with the wall-clock time of when it happened: its own `time`
+        where it has one (a train line written a step after its log step), else now (no-op on ranks
+        other than 0)."""
         if self._out is None:
             return
-        self._out.append([{**metrics_line(record), "time": round(time.time(), 3)}])
+        self._out.append([{**metrics_line(record), "time": round(record.time or time.time(), 3)}])
 
     def close(self) -> None:
         """Close the file."""

@@ -351,6 +351,7 @@ class Trainer:
             step=self.step, loss=0.0, lr=float(self.scheduler.get_last_lr()[0]),
             samples_per_s=round(self.global_batch * times.steps / elapsed, 2),
             counts=list(self.balancer.plan.counts), balance=self.balancer.mode,
+            time=time.time(),  # the log step's: what reads the lines times the steps by it (`gpujobs cost`)
         )
         self.gathering = GatheringTrainRecord(head, times, local_s, times.compute_s if self.timed else None)
 
