@@ -12,7 +12,8 @@ import time
 from pathlib import Path
 
 import numpy as np
-from conftest import SLOW, read_metrics, read_result, submit
+import pytest
+from conftest import SLOW, read_metrics, read_result, submit, uninterrupted_digest
 from jobctl import RunningJob, attempts
 from rec_store import store_from_arrays
 
@@ -40,6 +41,23 @@ def test_usr2_to_one_rank_stops_all_at_the_same_step_and_loses_nothing(tmp_path:
     # writes the one in flight, and each log step (every 3) of both attempts has exactly one line
     train = [record["step"] for record in read_metrics(run_dir) if record["kind"] == "train"]
     assert train == list(range(3, 61, 3)), train
+
+
+def test_three_ranks_stopped_and_resumed_end_bit_identical_to_the_straight_run(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """3 ranks (a 3-GPU box): a ring sums 3 values in an order set by DDP's bucket layout, which a resumed
+    run's fresh DDP would start from anew (`gpujobs.rank.buckets`); 2 ranks could not show it."""
+    three = (*SLOW, "resources.procs_per_node=3")
+    straight = uninterrupted_digest(tmp_path_factory, "straight3", *three)
+    run_dir = tmp_path / "run"
+    job = RunningJob(run_dir, *three)
+    job.wait_for_step(15)
+    job.signal_rank(2, signal.SIGUSR2)
+    assert job.wait() == 0, job.output()
+    assert [line["reason"] for line in attempts(run_dir)] == ["preempted", "completed"]
+    result = read_result(run_dir)
+    assert (result["world_size"], result["param_digest"]) == (3, straight)
 
 
 def test_a_stop_asked_for_in_the_last_window_lets_the_run_complete(tmp_path: Path) -> None:

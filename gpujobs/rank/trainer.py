@@ -16,6 +16,7 @@ from gpujobs.backends.jobenv import DistInfo
 from gpujobs.config.load import JobConfig
 from gpujobs.rank import collectives
 from gpujobs.rank.balance import Balancer, replay_history
+from gpujobs.rank.buckets import settle_buckets
 from gpujobs.rank.checkpoint import Checkpointed, CheckpointManager
 from gpujobs.rank.compute_clock import ComputeClock, StepTimes
 from gpujobs.rank.distributed import device_names
@@ -228,12 +229,22 @@ class Trainer:
         self.balance_window.rows += rows
         times.step_s += time.perf_counter() - start
 
+    def _next_loss(self) -> torch.Tensor:
+        """This rank's loss of the next step's first micro-batch, through DDP."""
+        plan, rank = self.balancer.plan, self.info.rank
+        first = plan.offset(rank)
+        batch = self.task.train_batch(self.step, first, first + plan.counts[rank], self.device)
+        with self.autocast():
+            return self.task.loss(self.ddp, batch)
+
     def fit(self) -> dict[str, Any]:
         """Train to max_steps (resuming if possible); returns the result record (same on all ranks)."""
         cfg = self.job.trainer
         wall_start = time.perf_counter()
         resumed = self.restore()  # before the plan's start: it starts from the resumed step
         self._write(self.balancer.start(self.step, resumed))
+        if resumed and self.ddp is not self.model:  # the straight run's bucket layout (`gpujobs.rank.buckets`)
+            settle_buckets(self.model, self._next_loss, self.device)
         start_step, start_samples = self.step, self.samples
         times, train_s, stopped = StepTimes(), 0.0, False
         evals: dict[str, float] = {}
