@@ -29,6 +29,7 @@ validation.go` unless said otherwise):
 from __future__ import annotations
 
 import re
+from decimal import Decimal
 from typing import Any
 
 from gpujobs.base.errors import ConfigError
@@ -64,6 +65,16 @@ TOLERATION_OPERATORS = ("Exists", "Equal")
 TOLERATION_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
 #: A quantity as resource.ParseQuantity reads it: <signedNumber><suffix>.
 QUANTITY = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE]|[eE][+-]?\d+)?")
+QUANTITY_TEXT = "a Kubernetes quantity (a number and a suffix: Ki Mi Gi ..., k M G ..., m)"
+#: The same grammar in parts: the number, then a suffix or a decimal exponent.
+_QUANTITY_PARTS = re.compile(r"(?P<number>[+-]?(?:\d+(?:\.\d*)?|\.\d+))"
+                             r"(?:(?P<suffix>Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE])|[eE](?P<exponent>[+-]?\d+))?")
+#: What each suffix multiplies by (quantity.go's `suffixer`: binary SI powers of 2, decimal SI powers of 10).
+QUANTITY_SUFFIXES = {
+    **{binary: Decimal(2) ** (10 * power) for power, binary in enumerate(("Ki", "Mi", "Gi", "Ti", "Pi", "Ei"), 1)},
+    **{decimal: Decimal(10) ** power for decimal, power in
+       (("n", -9), ("u", -6), ("m", -3), ("k", 3), ("M", 6), ("G", 9), ("T", 12), ("P", 15), ("E", 18))},
+}
 
 
 def is_qualified_name(text: str, *, prefixed: bool = False) -> bool:
@@ -107,5 +118,17 @@ def check_toleration(key: str, toleration: dict[str, Any]) -> None:
 def quantity(key: str, text: str) -> str:
     """`text` if Kubernetes parses it as a quantity, else ConfigError naming `key`."""
     if not QUANTITY.fullmatch(text):
-        raise ConfigError(key, text, "a Kubernetes quantity (a number and a suffix: Ki Mi Gi ..., k M G ..., m)")
+        raise ConfigError(key, text, QUANTITY_TEXT)
     return text
+
+
+def quantity_value(key: str, value: object) -> Decimal:
+    """The exact number a quantity stands for, as resource.ParseQuantity reads it: `value` is its text or, as
+    the API may send a quantity (`x-kubernetes-int-or-string`), an int; ConfigError naming `key` otherwise."""
+    parts = _QUANTITY_PARTS.fullmatch(str(value)) if isinstance(value, (str, int)) else None
+    if parts is None or isinstance(value, bool):
+        raise ConfigError(key, value, QUANTITY_TEXT)
+    number = Decimal(parts["number"])
+    if parts["exponent"] is not None:
+        return number.scaleb(int(parts["exponent"]))
+    return number * QUANTITY_SUFFIXES[parts["suffix"]] if parts["suffix"] else number

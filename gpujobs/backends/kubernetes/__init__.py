@@ -1,10 +1,11 @@
 """`cluster=kubernetes`: one JobSet a job, optionally queued by Kueue (`jobset.py` renders it).
 
 This version renders only: `cluster.dry_run=true` prints the JobSet for `kubectl apply -f`, and a submit
-without it is refused (no API client yet). The image is `container.image` with `container=podman` (an OCI
-image reference, which the nodes pull as podman would), and the run dir lies on the shared volume
-(`cluster.volume`). What the config loader cannot know (where the run dir is, the container) is checked
-here, before anything is written.
+without it is refused. Before, where the kubeconfig's cluster can be asked (`preflight.py`, through the
+one client module `api.py`), a job it can never run is refused (`fit.py`). The image is `container.image`
+with `container=podman` (an OCI image reference, which the nodes pull as podman would), and the run dir
+lies on the shared volume (`cluster.volume`). What the config loader cannot know (where the run dir is,
+the container) is checked here, before anything is written.
 """
 
 from __future__ import annotations
@@ -47,13 +48,19 @@ class KubernetesBackend(Backend):
     container_runtimes = frozenset({Runtime.podman.value})
 
     def preflight(self, job: JobConfig, cache: Optional[PreflightCache] = None) -> None:
+        from gpujobs.backends.kubernetes.preflight import preflight_kubernetes
+
         check_kubernetes_job(job)
+        preflight_kubernetes(job, cache)
 
     def render(self, job: JobConfig, run_dir: Path) -> str:
         from gpujobs.backends.kubernetes.jobset import render_jobset
+        from gpujobs.backends.kubernetes.preflight import say_if_not_asked
 
         check_on_volume(job, "hydra.run.dir", run_dir.absolute())
-        return render_jobset(job, run_dir.absolute())
+        text = render_jobset(job, run_dir.absolute())
+        say_if_not_asked()  # here, not at preflight: only a JobSet printed goes with the line (one line a refusal)
+        return text
 
     def start(self, job: JobConfig, run_dir: Path) -> int:
         raise ConfigError("cluster.dry_run", job.cluster.dry_run, RENDER_ONLY)

@@ -1,0 +1,127 @@
+"""The few reads of the Kubernetes API that the preflight makes, through the official `kubernetes` client.
+
+This is the one module that imports `kubernetes` (an import-linter contract says so): the optional extra
+`pip install 'gpujobs[kubernetes]'`. It connects as kubectl does: the kubeconfig files of `KUBECONFIG`
+(a path list), else `~/.kube/config`, and their current context, with the credentials the context names
+(`kubernetes.config.new_client_from_config`). Objects come back as the API sends them (JSON, camelCase, as
+`kubectl get -o json` shows them), not as the client's model classes: the Kueue objects have none, and the
+fit logic (`fit.py`) reads them all alike.
+
+Every failure, from a kubeconfig the client cannot read to a refusal (403) or an API server that cannot be
+reached, is one `KubernetesApiError` whose message is one line; an object that does not exist (404) is None.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Optional
+
+import urllib3
+from kubernetes import client, config
+from kubernetes.client.exceptions import ApiException
+from kubernetes.config.config_exception import ConfigException
+
+from gpujobs.base.errors import GpujobsError
+
+KUEUE_GROUP = "kueue.x-k8s.io"
+KUEUE_VERSION = "v1beta1"
+#: Seconds to connect and to read one answer: a preflight that hangs on a dead API server helps no one.
+TIMEOUT_S = (5.0, 20.0)
+#: urllib3's retries of a failed connection: none (its default, 3 without a pause, repeats a refusal and logs a
+#: warning line each time; the user reruns the submit instead).
+CONNECT_RETRIES = 0
+
+Object = dict[str, Any]
+
+
+class KubernetesApiError(GpujobsError):
+    """The Kubernetes API could not answer: the kubeconfig, the connection, or the API's refusal (one line)."""
+
+
+def kubeconfig_files() -> list[Path]:
+    """The kubeconfig files kubectl would read: those of `KUBECONFIG` that exist (it is a path list), else
+    `~/.kube/config` if it exists; empty when there is none (the cluster cannot be asked)."""
+    listed = os.environ.get("KUBECONFIG", "")
+    if listed:
+        return [Path(p) for p in listed.split(os.pathsep) if p and Path(p).is_file()]
+    default = Path("~/.kube/config").expanduser()
+    return [default] if default.is_file() else []
+
+
+def one_line(text: str) -> str:
+    """`text` on one line, without urllib3's object reprs (`<HTTPConnection object at 0x..>: `)."""
+    return " ".join(re.sub(r"<[^>]*>: ", "", text).split())
+
+
+def status_message(err: ApiException) -> str:
+    """`HTTP 403 Forbidden: <the Status' message>` for an error answer (the API's `Status` object says why)."""
+    try:
+        message = json.loads(err.body or "{}").get("message", "")
+    except (ValueError, AttributeError):  # not a Status: a proxy's HTML page, say
+        message = ""
+    return one_line(f"HTTP {err.status} {err.reason or ''}" + (f": {message}" if message else ""))
+
+
+class ClusterApi:
+    """A connection to the API server of the kubeconfig's current context, and the reads the preflight makes."""
+
+    def __init__(self) -> None:
+        configuration = client.Configuration()
+        configuration.retries = CONNECT_RETRIES
+        try:
+            self._client = config.new_client_from_config(client_configuration=configuration, persist_config=False)
+        except (ConfigException, OSError, ValueError) as err:
+            files = os.pathsep.join(str(p) for p in kubeconfig_files())
+            raise KubernetesApiError(one_line(f"cannot use the kubeconfig {files}: {err}")) from None
+        self.host: str = configuration.host
+        self._core = client.CoreV1Api(self._client)
+        self._custom = client.CustomObjectsApi(self._client)
+
+    def close(self) -> None:
+        """Close the connections (the client's thread pool too)."""
+        self._client.close()
+
+    def namespace(self, name: str) -> Optional[Object]:
+        """The Namespace `name`, None if there is none (RBAC: get namespaces)."""
+        return self._get(f"namespace {name}", "get namespaces", self._core.read_namespace, name)
+
+    def local_queue(self, namespace: str, name: str) -> Optional[Object]:
+        """The Kueue LocalQueue `namespace/name`, None if there is none (RBAC: get localqueues)."""
+        return self._get(f"LocalQueue {namespace}/{name}", f"get localqueues.{KUEUE_GROUP}",
+                         self._custom.get_namespaced_custom_object,
+                         KUEUE_GROUP, KUEUE_VERSION, namespace, "localqueues", name)
+
+    def cluster_queue(self, name: str) -> Optional[Object]:
+        """The Kueue ClusterQueue `name` (cluster-scoped), None if there is none (RBAC: get clusterqueues)."""
+        return self._get(f"ClusterQueue {name}", f"get clusterqueues.{KUEUE_GROUP}",
+                         self._custom.get_cluster_custom_object,
+                         KUEUE_GROUP, KUEUE_VERSION, "clusterqueues", name)
+
+    def nodes(self, labels: dict[str, str]) -> list[Object]:
+        """The Nodes that have every label of `labels` (all nodes when empty; RBAC: list nodes)."""
+        selector = ",".join(f"{key}={value}" for key, value in labels.items())
+        answer = self._get("the nodes", "list nodes", self._core.list_node, label_selector=selector)
+        return list((answer or {}).get("items") or [])
+
+    def _get(self, what: str, rbac: str, read: Callable[..., Any], *args: Any, **kwargs: Any) -> Optional[Object]:
+        """`read(*args, **kwargs)`'s object as JSON; None for a 404; KubernetesApiError for any other failure
+        (naming `rbac`, the permission the read needs, when the API refused the user)."""
+        try:
+            answer = read(*args, _preload_content=False, _request_timeout=TIMEOUT_S, **kwargs)
+            body: Object = json.loads(answer.data)
+        except ApiException as err:
+            if err.status == 404:
+                return None
+            needs = f" (it needs RBAC {rbac}: docs/guides/kubernetes.md)" if err.status in (401, 403) else ""
+            raise KubernetesApiError(f"{self.host} could not give {what}: {status_message(err)}{needs}") from None
+        except (urllib3.exceptions.HTTPError, OSError) as err:
+            reason = getattr(err, "reason", None) or err
+            raise KubernetesApiError(one_line(f"cannot reach the Kubernetes API at {self.host} to get {what}: "
+                                              f"{reason}")) from None
+        except ValueError as err:  # a 200 whose body is no JSON: no API server answered
+            raise KubernetesApiError(one_line(f"{self.host} answered no JSON object for {what}: {err}")) from None
+        return body

@@ -1,0 +1,343 @@
+"""`cluster=kubernetes` asks the kubeconfig's cluster whether the job can ever fit, and refuses one that cannot.
+
+No Kubernetes API server can run on these machines, so the cluster here is a real HTTP server on loopback
+that answers the paths the official `kubernetes` client calls (`gpujobs/backends/kubernetes/api.py`) with
+bodies shaped as the API documents them: a Namespace, a Kueue LocalQueue and ClusterQueue (`v1beta1`), a
+NodeList (filtered by `labelSelector` as the API server does), a `Status` with the HTTP code for what is
+absent (404) or refused (403, 500). The queues it serves are validated against the Kueue v0.19.2 CRDs'
+`openAPIV3Schema` (tests/data/k8s/), the Namespace and Nodes against Kubernetes' own schemas
+(`kubernetes-validate`), so the fakes have the documented shape. The client reaches it through a kubeconfig
+with a bearer token (the server refuses a request without it), from the real submit command in a subprocess.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from decimal import Decimal
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any, Optional
+from urllib.parse import parse_qs, urlsplit
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+from conftest import submit
+
+from gpujobs.base.errors import ConfigError
+from gpujobs.config.kube_names import quantity_value
+
+K8S = Path(__file__).parent / "data" / "k8s"
+K8S_VERSION = "1.37.0"  # the newest schemas kubernetes-validate 1.37.0 ships
+TOKEN = "gpujobs-test-token"
+KUEUE = "/apis/kueue.x-k8s.io/v1beta1"
+IMAGE = "registry.example.com/team/rec:1"
+KUBE = ("+experiment=rec", "cluster=kubernetes", "cluster.dry_run=true", "cluster.volume.claim=team-runs",
+        "container=podman", f"container.image={IMAGE}", "cluster.namespace=ml")
+QUEUED = ("cluster.queue=team-a", "cluster.node_selector={nvidia.com/gpu.product: A100}")
+#: The four reads of a queued job's preflight, in order.
+QUEUED_READS = ["/api/v1/namespaces/ml", f"{KUEUE}/namespaces/ml/localqueues/team-a", f"{KUEUE}/clusterqueues/team-cq",
+                "/api/v1/nodes?labelSelector=nvidia.com/gpu.product%3DA100"]
+
+
+def crd_schema(name: str) -> dict[str, Any]:
+    """The v1beta1 `openAPIV3Schema` of a Kueue CRD in tests/data/k8s/."""
+    crd = yaml.safe_load((K8S / f"kueue-v0.19.2.{name}.crd.yaml").read_text())
+    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1beta1"]
+    schema: dict[str, Any] = version["schema"]["openAPIV3Schema"]
+    return schema
+
+
+SCHEMAS = {"LocalQueue": crd_schema("localqueues"), "ClusterQueue": crd_schema("clusterqueues")}
+
+
+def namespace(name: str) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name, "labels": {
+        "kubernetes.io/metadata.name": name}}, "spec": {"finalizers": ["kubernetes"]}, "status": {"phase": "Active"}}
+
+
+def local_queue(name: str, cluster_queue: str) -> dict[str, Any]:
+    return {"apiVersion": "kueue.x-k8s.io/v1beta1", "kind": "LocalQueue",
+            "metadata": {"name": name, "namespace": "ml"}, "spec": {"clusterQueue": cluster_queue}}
+
+
+def cluster_queue(gpus: Any, *, cohort: Optional[str] = None, borrowing: Any = None) -> dict[str, Any]:
+    """ClusterQueue team-cq: flavor a100 with `gpus` nominal GPUs (and `borrowing`, in `cohort`), beside a
+    flavor with none (that may borrow none: without a limit, it could borrow the cohort's)."""
+    gpu: dict[str, Any] = {"name": "nvidia.com/gpu", "nominalQuota": gpus}
+    if borrowing is not None:
+        gpu["borrowingLimit"] = borrowing
+    flavors = [{"name": "a100", "resources": [{"name": "cpu", "nominalQuota": 256},
+                                              {"name": "memory", "nominalQuota": "2Ti"}, gpu]},
+               {"name": "cpu-only", "resources": [{"name": "cpu", "nominalQuota": "64"},
+                                                  {"name": "memory", "nominalQuota": "256Gi"},
+                                                  {"name": "nvidia.com/gpu", "nominalQuota": 0,
+                                                   **({"borrowingLimit": 0} if cohort else {})}]}]
+    spec: dict[str, Any] = {"namespaceSelector": {}, "resourceGroups": [
+        {"coveredResources": ["cpu", "memory", "nvidia.com/gpu"], "flavors": flavors}]}
+    if cohort:
+        spec["cohort"] = cohort
+    return {"apiVersion": "kueue.x-k8s.io/v1beta1", "kind": "ClusterQueue", "metadata": {"name": "team-cq"},
+            "spec": spec}
+
+
+def node(name: str, gpus: str, product: str) -> dict[str, Any]:
+    resources = {"cpu": "96", "memory": "1056Gi", "nvidia.com/gpu": gpus, "pods": "110"}
+    return {"apiVersion": "v1", "kind": "Node",
+            "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name, "nvidia.com/gpu.product": product}},
+            "status": {"allocatable": resources, "capacity": resources}}
+
+
+def status(code: int, reason: str, message: str) -> dict[str, Any]:
+    """The API's error body (a meta/v1 Status)."""
+    return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "message": message,
+            "reason": reason, "code": code}
+
+
+class FakeCluster:
+    """What the loopback API server holds: objects by path, nodes, failures to answer by path, requests."""
+
+    def __init__(self) -> None:
+        self.objects: dict[str, dict[str, Any]] = {
+            "/api/v1/namespaces/ml": namespace("ml"),
+            f"{KUEUE}/namespaces/ml/localqueues/team-a": local_queue("team-a", "team-cq"),
+            f"{KUEUE}/namespaces/ml/localqueues/orphan": local_queue("orphan", "gone-cq"),
+            f"{KUEUE}/clusterqueues/team-cq": cluster_queue(8),
+        }
+        self.nodes = [node("gpu-1", "8", "A100"), node("gpu-2", "8", "A100"), node("small-1", "2", "T4")]
+        self.failures: dict[str, tuple[int, str]] = {}
+        self.requests: list[str] = []
+
+    def answer(self, target: str, authorization: Optional[str]) -> tuple[int, dict[str, Any]]:
+        """The HTTP code and JSON body the API server would send for GET `target`."""
+        self.requests.append(target)
+        url = urlsplit(target)
+        if authorization != f"Bearer {TOKEN}":
+            return 401, status(401, "Unauthorized", "Unauthorized")
+        if url.path in self.failures:
+            code, reason = self.failures[url.path]
+            return code, status(code, reason, f"{reason.lower()} for {url.path}: as the test asked")
+        if url.path == "/api/v1/nodes":
+            return 200, self.node_list(parse_qs(url.query).get("labelSelector", [""])[0])
+        if url.path in self.objects:
+            return 200, self.objects[url.path]
+        kind, name = url.path.rsplit("/", 2)[-2:]
+        return 404, status(404, "NotFound", f'{kind} "{name}" not found')
+
+    def node_list(self, selector: str) -> dict[str, Any]:
+        """The NodeList of the nodes with every `key=value` label of `selector` (equality selectors only)."""
+        wanted = dict(term.split("=", 1) for term in selector.split(",") if term)
+        items = [n for n in self.nodes if all(n["metadata"]["labels"].get(k) == v for k, v in wanted.items())]
+        return {"apiVersion": "v1", "kind": "NodeList", "metadata": {"resourceVersion": "42"}, "items": items}
+
+    def validate(self) -> None:
+        """Every object served has its kind's documented shape."""
+        for obj in [*self.objects.values(), *self.nodes]:
+            if obj["kind"] in SCHEMAS:
+                jsonschema.validate(obj, SCHEMAS[obj["kind"]], cls=jsonschema.Draft7Validator)
+            else:
+                kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+def serve(cluster: FakeCluster) -> ThreadingHTTPServer:
+    """An HTTP server on 127.0.0.1 (a free port) answering GETs from `cluster`, serving in a thread."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            code, body = cluster.answer(self.path, self.headers.get("Authorization"))
+            data = json.dumps(body).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass  # the requests are counted in cluster.requests
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def kubeconfig(path: Path, server: str) -> Path:
+    """A kubeconfig whose current context is `server` with the test's bearer token."""
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "test",
+        "clusters": [{"name": "loopback", "cluster": {"server": server}}],
+        "users": [{"name": "alice", "user": {"token": TOKEN}}],
+        "contexts": [{"name": "test", "context": {"cluster": "loopback", "user": "alice"}}]}))
+    return path
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[FakeCluster]:
+    fake = FakeCluster()
+    server = serve(fake)
+    kubeconfig(tmp_path / "kubeconfig", f"http://127.0.0.1:{server.server_address[1]}")
+    yield fake
+    server.shutdown()
+    server.server_close()
+
+
+def run(tmp_path: Path, *overrides: str, config: Optional[Path] = None) -> Any:
+    """The real submit of a dry run under tmp_path/runs with KUBECONFIG=`config` (default: the fixture's)."""
+    run_dir = tmp_path / "runs" / "rec"
+    run_dir.parent.mkdir(exist_ok=True)
+    env = {"KUBECONFIG": str(config or tmp_path / "kubeconfig")}
+    return submit(run_dir, *KUBE, f"cluster.volume.mount_path={tmp_path / 'runs'}", *overrides, env=env)
+
+
+def assert_refused(proc: Any, tmp_path: Path, key: str) -> str:
+    """Exit 2, stdout empty, one line on stderr naming `key`, no run dir; the line."""
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stdout == ""
+    (line,) = proc.stderr.strip().splitlines()
+    assert f"{key}=" in line, line
+    assert not (tmp_path / "runs" / "rec").exists()
+    return str(line)
+
+
+def test_a_job_that_fits_renders_after_asking_each_object_once(tmp_path: Path, cluster: FakeCluster) -> None:
+    cluster.validate()
+    proc = run(tmp_path, *QUEUED, "resources.nodes=1", "resources.gpus_per_node=8")
+    assert proc.returncode == 0, proc.stderr
+    assert yaml.safe_load(proc.stdout)["kind"] == "JobSet"
+    assert proc.stderr == ""
+    assert cluster.requests == QUEUED_READS
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key", "allowed"),
+    [
+        (("cluster.namespace=other",), "cluster.namespace", "a namespace that exists at http://127.0.0.1:"),
+        (("cluster.queue=team-b",), "cluster.queue", "a Kueue LocalQueue of namespace ml"),
+        (("cluster.queue=orphan",), "cluster.queue", "points at ClusterQueue gone-cq, which does not"),
+        (("resources.nodes=2", "resources.gpus_per_node=8"), "resources.nodes",
+         "at most 1 nodes of 8 nvidia.com/gpu (at most 8 in all: ClusterQueue team-cq, flavor a100: nominal 8, "
+         "in no cohort to borrow from)"),
+        (("resources.gpus_per_node=16",), "resources.gpus_per_node", "at most 8 nvidia.com/gpu in all"),
+        (("cluster.gpu_resource=nvidia.com/mig-1g.10gb", "resources.gpus_per_node=2"), "resources.gpus_per_node",
+         "0 nvidia.com/mig-1g.10gb through LocalQueue ml/team-a: ClusterQueue team-cq has no quota of it"),
+    ],
+)
+def test_a_job_the_namespace_or_queue_can_never_hold_is_refused(
+        tmp_path: Path, cluster: FakeCluster, overrides: tuple[str, ...], key: str, allowed: str) -> None:
+    proc = run(tmp_path, *QUEUED, "resources.gpus_per_node=4", *overrides)
+    line = assert_refused(proc, tmp_path, key)
+    assert line.startswith(f"gpujobs: config error: {key}="), line
+    assert allowed in line, line
+
+
+def test_a_pod_no_node_can_hold_is_refused(tmp_path: Path, cluster: FakeCluster) -> None:
+    small = run(tmp_path, "cluster.node_selector={nvidia.com/gpu.product: T4}", "resources.gpus_per_node=4")
+    assert "at most 2 nvidia.com/gpu per node (the most allocatable on any of the 1 nodes with the labels" \
+        in assert_refused(small, tmp_path, "resources.gpus_per_node")
+    cluster.nodes = [node("gpu-1", "4", "A100")]
+    assert_refused(run(tmp_path, "resources.gpus_per_node=8"), tmp_path, "resources.gpus_per_node")
+    nowhere = run(tmp_path, "cluster.node_selector={nvidia.com/gpu.product: H100}", "resources.gpus_per_node=2")
+    assert "labels that some node has (no node has them all)" in assert_refused(nowhere, tmp_path,
+                                                                                "cluster.node_selector")
+    fits = run(tmp_path, "resources.gpus_per_node=4", "resources.nodes=3")  # no queue: the nodes alone are asked
+    assert fits.returncode == 0, fits.stderr
+
+
+@pytest.mark.parametrize(
+    ("borrowing", "fits"),
+    [(8, True), ("8", True), (None, True), (0, False), ("7", False)],
+)
+def test_borrowing_in_a_cohort_counts_up_to_its_limit(
+        tmp_path: Path, cluster: FakeCluster, borrowing: Any, fits: bool) -> None:
+    """Two nodes of 8 GPUs on a queue of 8 nominal: they fit with 8 to borrow, or with no borrowing limit
+    (Kueue: null is no limit), not with less."""
+    cluster.objects[f"{KUEUE}/clusterqueues/team-cq"] = cluster_queue(8, cohort="research", borrowing=borrowing)
+    cluster.validate()
+    proc = run(tmp_path, *QUEUED, "resources.nodes=2", "resources.gpus_per_node=8")
+    if fits:
+        assert proc.returncode == 0, proc.stderr
+        assert yaml.safe_load(proc.stdout)["spec"]["replicatedJobs"][0]["template"]["spec"]["parallelism"] == 2
+    else:
+        line = assert_refused(proc, tmp_path, "resources.nodes")
+        assert f"nominal 8 + borrowing {borrowing} from cohort research" in line, line
+
+
+@pytest.mark.parametrize(
+    ("path", "code", "reason", "key"),
+    [
+        ("/api/v1/namespaces/ml", 403, "Forbidden", "cluster.namespace"),
+        (f"{KUEUE}/clusterqueues/team-cq", 500, "InternalError", "cluster.queue"),
+        ("/api/v1/nodes", 403, "Forbidden", "resources.gpus_per_node"),
+    ],
+)
+def test_an_api_refusal_refuses_the_submit_in_one_line(
+        tmp_path: Path, cluster: FakeCluster, path: str, code: int, reason: str, key: str) -> None:
+    cluster.failures[path] = (code, reason)
+    line = assert_refused(run(tmp_path, *QUEUED, "resources.gpus_per_node=4"), tmp_path, key)
+    assert line.startswith(f"gpujobs: cannot check {key}="), line
+    phrase = HTTPStatus(code).phrase  # the status line's; the Status body's message follows
+    assert "could not give " in line and f"HTTP {code} {phrase}: {reason.lower()} for {path}: as the test asked" in line
+    assert ("it needs RBAC" in line) == (code == 403), line
+    assert sum(r.startswith(path) for r in cluster.requests) == 1  # a refusal is not retried
+
+
+def test_an_unreachable_api_server_refuses_the_submit_in_one_line(tmp_path: Path) -> None:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), BaseHTTPRequestHandler)
+    port = server.server_address[1]
+    server.server_close()  # a port nothing listens on
+    config = kubeconfig(tmp_path / "kubeconfig", f"http://127.0.0.1:{port}")
+    line = assert_refused(run(tmp_path, config=config), tmp_path, "cluster.namespace")
+    assert f"cannot reach the Kubernetes API at http://127.0.0.1:{port} to get namespace ml" in line, line
+    assert "Connection refused" in line, line
+
+
+def test_without_a_kubeconfig_the_dry_run_renders_and_says_the_cluster_was_not_asked(tmp_path: Path) -> None:
+    proc = run(tmp_path, *QUEUED, "resources.gpus_per_node=4", config=tmp_path / "no-such-kubeconfig")
+    assert proc.returncode == 0, proc.stderr
+    assert yaml.safe_load(proc.stdout)["kind"] == "JobSet"
+    (line,) = proc.stderr.strip().splitlines()
+    assert line == ("gpujobs: the cluster was not asked whether the job can ever fit: no kubeconfig found "
+                    "(KUBECONFIG, else ~/.kube/config)")
+
+
+def test_a_sweep_asks_the_cluster_once(tmp_path: Path, cluster: FakeCluster) -> None:
+    sweep_dir = tmp_path / "runs" / "sweep"
+    sweep_dir.parent.mkdir()
+    cmd = [sys.executable, "-m", "gpujobs.submit", "-m", f"hydra.sweep.dir={sweep_dir}", *KUBE, *QUEUED,
+           f"cluster.volume.mount_path={tmp_path / 'runs'}", "resources.gpus_per_node=2,4,8"]
+    env = {**os.environ, "KUBECONFIG": str(tmp_path / "kubeconfig")}
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    documents = list(yaml.safe_load_all(proc.stdout[proc.stdout.index("apiVersion:"):]))
+    assert len(documents) == 3
+    assert cluster.requests == QUEUED_READS
+
+
+def test_quantities_are_read_as_kubernetes_parses_them() -> None:
+    cases = {"8": 8, 8: 8, "1Ki": 1024, "250m": Decimal("0.25"), "1e3": 1000, "1E": 10**18, "1.5Gi": 3 * 2**29,
+             "+2k": 2000, ".5": Decimal("0.5")}
+    for text, value in cases.items():
+        assert quantity_value("q", text) == value, text
+    for bad in ("1Mb", "", "1 Gi", True, None, 1.5):
+        with pytest.raises(ConfigError):
+            quantity_value("q", bad)
+
+
+def test_the_fakes_are_checked_against_the_schemas(cluster: FakeCluster) -> None:
+    """The shape checks can fail: a queue or node the API would refuse is refused."""
+    broken = copy.deepcopy(cluster)
+    broken.objects[f"{KUEUE}/clusterqueues/team-cq"]["spec"]["resourceGroups"][0]["flavors"][0]["resources"][2][
+        "nominalQuota"] = "8 GPUs"
+    with pytest.raises(jsonschema.ValidationError):
+        broken.validate()
+    broken = copy.deepcopy(cluster)
+    broken.nodes[0]["status"]["allocatable_typo"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        broken.validate()
