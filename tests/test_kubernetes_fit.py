@@ -298,6 +298,21 @@ def test_an_unreachable_api_server_refuses_the_submit_in_one_line(tmp_path: Path
     assert "Connection refused" in line, line
 
 
+@pytest.mark.parametrize(
+    ("text", "why"),
+    [("current-context: nope\ncontexts: []\n", "Expected object with name nope"),
+     (": : [\n", "while parsing a block mapping")],
+)
+def test_a_kubeconfig_the_client_cannot_use_refuses_the_submit_in_one_line(tmp_path: Path, text: str, why: str) -> None:
+    config = tmp_path / "kubeconfig"
+    config.write_text(text)
+    proc = run(tmp_path, config=config)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith(f"gpujobs: cannot use the kubeconfig {config}: ") and why in line, line
+    assert not (tmp_path / "runs" / "rec").exists()
+
+
 def test_without_a_kubeconfig_the_dry_run_renders_and_says_the_cluster_was_not_asked(tmp_path: Path) -> None:
     proc = run(tmp_path, *QUEUED, "resources.gpus_per_node=4", config=tmp_path / "no-such-kubeconfig")
     assert proc.returncode == 0, proc.stderr

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import urllib3
+import yaml
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 from kubernetes.config.config_exception import ConfigException
@@ -74,7 +75,7 @@ class ClusterApi:
         configuration.retries = CONNECT_RETRIES
         try:
             self._client = config.new_client_from_config(client_configuration=configuration, persist_config=False)
-        except (ConfigException, OSError, ValueError) as err:
+        except (ConfigException, OSError, ValueError, yaml.YAMLError) as err:
             files = os.pathsep.join(str(p) for p in kubeconfig_files())
             raise KubernetesApiError(one_line(f"cannot use the kubeconfig {files}: {err}")) from None
         self.host: str = configuration.host
