@@ -119,18 +119,19 @@ def check_quota(job: JobConfig, local_queue: Object, cluster_queue: Optional[Obj
     behind = f"LocalQueue {job.cluster.namespace}/{name_of(local_queue)}"
     if cluster_queue is None:
         target = local_queue.get("spec", {}).get("clusterQueue")
+        points = f"points at ClusterQueue {target}, which does not" if target else "names no ClusterQueue"
         raise ConfigError("cluster.queue", job.cluster.queue, f"a LocalQueue whose ClusterQueue exists ({behind} "
-                          f"points at ClusterQueue {target}, which does not)")
+                          f"{points})")
     if resources.gpus_per_node == 0:
         return
     quotas = gpu_quotas(cluster_queue, resource)
     if not quotas:
         raise ConfigError("resources.gpus_per_node", resources.gpus_per_node, f"0 {resource} through {behind}: "
                           f"ClusterQueue {name_of(cluster_queue)} has no quota of it")
-    bounds = [(q.most, q) for q in quotas]
-    if any(most is None for most, _ in bounds):
+    bounded = [(q.most, q) for q in quotas if q.most is not None]
+    if len(bounded) < len(quotas):  # a flavor whose bound only the cohort's other queues would tell
         return
-    most, best = max(((m, q) for m, q in bounds if m is not None), key=lambda pair: pair[0])
+    most, best = max(bounded, key=lambda pair: pair[0])
     asked = resources.nodes * resources.gpus_per_node
     if asked <= most:
         return

@@ -78,7 +78,8 @@ def read_cluster(job: JobConfig) -> ClusterView:
             if local_queue is None:
                 return ClusterView(api.host, namespace)
             target = str(local_queue.get("spec", {}).get("clusterQueue", ""))
-            cluster_queue = asking("cluster.queue", queue, lambda: api.cluster_queue(target))
+            # a LocalQueue may name none (the CRD does not require it): then there is none to ask for
+            cluster_queue = asking("cluster.queue", queue, lambda: api.cluster_queue(target)) if target else None
             if cluster_queue is None:
                 return ClusterView(api.host, namespace, local_queue)
         nodes = asking("resources.gpus_per_node", job.resources.gpus_per_node,
