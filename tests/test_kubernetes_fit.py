@@ -322,6 +322,24 @@ def test_without_a_kubeconfig_the_dry_run_renders_and_says_the_cluster_was_not_a
                     "(KUBECONFIG, else ~/.kube/config)")
 
 
+def test_without_the_kubernetes_package_the_dry_run_renders_and_says_so(tmp_path: Path, cluster: FakeCluster) -> None:
+    """The real submit with `kubernetes` made unimportable (None in sys.modules, as Python's import system
+    reads it): a kubeconfig is there, but nothing can ask; the server hears nothing."""
+    run_dir = tmp_path / "runs" / "rec"
+    run_dir.parent.mkdir()
+    unimportable = ("import runpy, sys; sys.modules['kubernetes'] = None; sys.argv[0] = 'gpujobs.submit'; "
+                    "runpy.run_module('gpujobs.submit', run_name='__main__')")
+    cmd = [sys.executable, "-c", unimportable, f"hydra.run.dir={run_dir}", *KUBE,
+           f"cluster.volume.mount_path={tmp_path / 'runs'}"]
+    env = {**os.environ, "KUBECONFIG": str(tmp_path / "kubeconfig")}
+    proc = subprocess.run(cmd, cwd=run_dir.parent, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert yaml.safe_load(proc.stdout)["kind"] == "JobSet"
+    assert proc.stderr.strip() == ("gpujobs: the cluster was not asked whether the job can ever fit: the kubernetes "
+                                   "package is not installed (pip install 'gpujobs[kubernetes]')")
+    assert cluster.requests == []
+
+
 def test_a_sweep_asks_the_cluster_once(tmp_path: Path, cluster: FakeCluster) -> None:
     sweep_dir = tmp_path / "runs" / "sweep"
     sweep_dir.parent.mkdir()
