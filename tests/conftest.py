@@ -21,6 +21,9 @@ from jobctl import RunningJob
 from gpujobs.config.load import JobConfig, load_config
 
 REPO = Path(__file__).resolve().parent.parent
+# No test asks a real Kubernetes cluster: a developer's own ~/.kube/config is never read (the preflight tests
+# point KUBECONFIG at their loopback stand-in of the API server)
+os.environ["KUBECONFIG"] = os.devnull
 CONF = REPO / "conf"
 
 
