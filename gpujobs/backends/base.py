@@ -12,10 +12,10 @@ A backend that runs the job here has no job ids: the run dir's files say how its
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar, Optional, TypeVar
 
 from gpujobs.base.errors import ConfigError
 from gpujobs.config.load import JobConfig
@@ -24,6 +24,18 @@ from gpujobs.config.load import JobConfig
 NO_SCRIPT = "false unless cluster=slurm or cluster=kubernetes (a dry run prints the sbatch script or the JobSet)"
 #: What a preflight may keep across the points of a sweep (what the cluster said, asked once).
 PreflightCache = dict[Any, Any]
+Answer = TypeVar("Answer")
+
+
+def asked_once(cache: Optional[PreflightCache], key: Any, ask: Callable[[], Answer]) -> Answer:
+    """What the cluster said under `key` at an earlier point of the sweep, else `ask()`'s answer, kept in
+    `cache` for the points after (no cache: asked every time)."""
+    if cache is not None and key in cache:
+        return cache[key]
+    answer = ask()
+    if cache is not None:
+        cache[key] = answer
+    return answer
 
 
 class Backend(ABC):

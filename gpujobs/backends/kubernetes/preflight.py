@@ -17,7 +17,7 @@ import sys
 from collections.abc import Callable
 from typing import Optional, TypeVar
 
-from gpujobs.backends.base import PreflightCache
+from gpujobs.backends.base import PreflightCache, asked_once
 from gpujobs.backends.kubernetes.fit import ClusterView, check_fit
 from gpujobs.config.load import JobConfig
 
@@ -53,12 +53,7 @@ def preflight_kubernetes(job: JobConfig, cache: Optional[PreflightCache] = None)
         return
     cluster = job.cluster
     key = ("kubernetes", cluster.namespace, cluster.queue, tuple(sorted((cluster.node_selector or {}).items())))
-    view = cache.get(key) if cache is not None else None
-    if view is None:
-        view = read_cluster(job)
-        if cache is not None:
-            cache[key] = view
-    check_fit(job, view)
+    check_fit(job, asked_once(cache, key, lambda: read_cluster(job)))
 
 
 def read_cluster(job: JobConfig) -> ClusterView:

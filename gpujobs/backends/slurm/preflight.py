@@ -12,6 +12,7 @@ import shutil
 from dataclasses import dataclass, field
 from typing import Optional
 
+from gpujobs.backends.base import asked_once
 from gpujobs.backends.slurm.commands import slurm_output
 from gpujobs.base.errors import ConfigError, SubmitError
 from gpujobs.config.load import JobConfig, parse_time_minutes
@@ -152,12 +153,7 @@ def preflight_slurm(job: JobConfig, cache: Optional[dict[tuple[bool, bool], Clus
     if shutil.which("sbatch") is None:
         raise SubmitError("cluster=slurm but `sbatch` is not on PATH (use cluster=local on this machine)")
     key = (job.cluster.account is not None, job.cluster.qos is not None)  # what query_cluster asks depends on these
-    info = cache.get(key) if cache is not None else None
-    if info is None:
-        info = query_cluster(job)
-        if cache is not None:
-            cache[key] = info
-    check(job, info)
+    check(job, asked_once(cache, key, lambda: query_cluster(job)))
     if job.container.runtime == Runtime.oci and job.resources.ranks_per_node > 1:
         check_oci_tasks(job, slurm_output(["srun", "--version"]).strip())
 
