@@ -158,10 +158,11 @@ for ((i = 1; i <= NODES; i++)); do NODE_NAMES+=("node$i"); done
 NODE_CSV=$(IFS=,; echo "${NODE_NAMES[*]}")
 PACKAGES=(slurmctld slurmd slurm-client slurmdbd munge mariadb-server mariadb-client)
 
-# Our own clients must talk to this cluster only, whatever the caller's environment says.
-while read -r v; do
+# Our own clients must talk to this cluster only, whatever the caller's environment says. (No `< <(...)`
+# on the way to a refusal: its subshell, which has DIR in its environment, may outlive the script's exit.)
+for v in $(compgen -e); do
   case $v in SLURM_*|SBATCH_*|SALLOC_*|SRUN_*|SQUEUE_*|SINFO_*|SACCT_*|SCONTROL_*) unset "$v" ;; esac
-done < <(compgen -e)
+done
 export SLURM_CONF=$CONF
 
 T0=${EPOCHREALTIME/./}
@@ -776,7 +777,7 @@ parents_safe() {
   local p=${DIR%/*} uid mode
   while :; do
     [ -n "$p" ] || p=/
-    read -r uid mode < <(stat -c '%u %a' -- "$p" 2>/dev/null) || return 1
+    read -r uid mode <<<"$(stat -c '%u %a' -- "$p" 2>/dev/null)" && [ -n "$mode" ] || return 1
     [ "$uid" = 0 ] || return 1
     (( (8#$mode & 8#022) == 0 || (8#$mode & 8#1000) != 0 )) || return 1
     [ "$p" = / ] && return 0
@@ -801,7 +802,7 @@ check_dir() {
   [ ! -L "$DIR" ] || refuse "it is a symbolic link"
   [ -d "$DIR" ] || refuse "it is not a directory"
   parents_safe || refuse "a directory above it is not root's, or others may rename its entries"
-  read -r uid mode < <(stat -c '%u %a' -- "$DIR")
+  read -r uid mode <<<"$(stat -c '%u %a' -- "$DIR")"
   [ "$uid" = "$(id -u)" ] || refuse "it belongs to uid $uid, not to us (uid $(id -u)): someone else made it"
   (( (8#$mode & 8#022) == 0 )) || refuse "others may write to it (mode $mode)"
   if [ -f "$MARKER" ] && [ ! -L "$MARKER" ] && [ "$(stat -c %u -- "$MARKER")" = "$uid" ]; then
