@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 from hydra import compose, initialize_config_dir
 from torch.nn.parallel import DistributedDataParallel
@@ -40,7 +39,7 @@ from torch.nn.parallel import DistributedDataParallel
 from gpujobs.backends.jobenv import DistInfo
 from gpujobs.config.load import JobConfig, load_config
 from gpujobs.rank.checkpoint import CheckpointManager
-from gpujobs.rank.distributed import init_process_group
+from gpujobs.rank.distributed import destroy_process_group, init_process_group
 from gpujobs.rank.metrics import MetricsLog
 from gpujobs.rank.observe.trackers import open_trackers
 from gpujobs.rank.rng import seed_everything
@@ -50,6 +49,7 @@ from gpujobs.rundir.heartbeat import Heartbeat, interval_for
 
 REPO = Path(__file__).resolve().parent.parent
 WORLD = 2
+CPU = torch.device("cpu")
 
 
 def job_config(steps: int, overrides: list[str]) -> JobConfig:
@@ -82,38 +82,47 @@ def tracked_in(job: JobConfig, tmp: Path) -> JobConfig:
 
 
 def _rank(rank: int, kind: str, job: JobConfig, port: int, out: Any) -> None:
-    device = torch.device("cpu")
-    if kind == "gpujobs":
-        with tempfile.TemporaryDirectory() as tmp:
-            # as a job does: rank 0's trackers (`logger=...`) start before the rank joins and builds its task
-            trackers = open_trackers(tracked_in(job, Path(tmp)), Path(tmp), rank == 0)
-            info, task = join_as_rank(rank, job, port)
-            checkpoints = CheckpointManager(Path(tmp), 0, 1, rank, world_size=WORLD)
-            # the hang watchdog's heartbeat, as a real job runs it (a thread writing its file every second)
-            beat = Heartbeat(Path(tmp), rank, "bench", interval_for(job.trainer.hang_timeout_s or 300)).start()
-            with trackers:
-                trainer = Trainer(job, info, device, task, checkpoints, MetricsLog(None), heartbeat=beat,
-                                  on_step=trackers.on_step(lambda record: None))
-                # the final eval and checkpoint are outside the timed window (samples_per_s excludes them)
-                rate = trainer.fit()["samples_per_s"]
-            beat.close()
-    else:
-        info, task = join_as_rank(rank, job, port)
-        model = DistributedDataParallel(task.model)
-        optimizer = torch.optim.Adam(model.parameters(), lr=job.optim.lr)
-        samples = task.global_batch_size
-        share = samples // WORLD  # the minimal loop's sharding: equal slices of the global batch
-        start = time.perf_counter()
-        for step in range(job.trainer.max_steps):
-            batch = task.train_batch(step, rank * share, (rank + 1) * share, device)
-            loss = task.loss(model, batch)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        rate = samples * job.trainer.max_steps / (time.perf_counter() - start)
+    rate = _trainer_rate(rank, job, port) if kind == "gpujobs" else _minimal_rate(rank, job, port)
     if rank == 0:
         out.put(rate)
-    dist.destroy_process_group()
+    # as a job leaves its group: after its DDP wrapper is gone (with the frame above), gloo's workers idle
+    # (leaving with the wrapper alive aborted a rank now and then: "terminate called without an active exception")
+    destroy_process_group()
+
+
+def _trainer_rate(rank: int, job: JobConfig, port: int) -> float:
+    """The gpujobs Trainer's samples/s on this rank."""
+    with tempfile.TemporaryDirectory() as tmp:
+        # as a job does: rank 0's trackers (`logger=...`) start before the rank joins and builds its task
+        trackers = open_trackers(tracked_in(job, Path(tmp)), Path(tmp), rank == 0)
+        info, task = join_as_rank(rank, job, port)
+        checkpoints = CheckpointManager(Path(tmp), 0, 1, rank, world_size=WORLD)
+        # the hang watchdog's heartbeat, as a real job runs it (a thread writing its file every second)
+        beat = Heartbeat(Path(tmp), rank, "bench", interval_for(job.trainer.hang_timeout_s or 300)).start()
+        with trackers:
+            trainer = Trainer(job, info, CPU, task, checkpoints, MetricsLog(None), heartbeat=beat,
+                              on_step=trackers.on_step(lambda record: None))
+            # the final eval and checkpoint are outside the timed window (samples_per_s excludes them)
+            rate = float(trainer.fit()["samples_per_s"])
+        beat.close()
+    return rate
+
+
+def _minimal_rate(rank: int, job: JobConfig, port: int) -> float:
+    """The hand-written minimal DDP loop's samples/s on this rank."""
+    _, task = join_as_rank(rank, job, port)
+    model = DistributedDataParallel(task.model)
+    optimizer = torch.optim.Adam(model.parameters(), lr=job.optim.lr)
+    samples = task.global_batch_size
+    share = samples // WORLD  # the minimal loop's sharding: equal slices of the global batch
+    start = time.perf_counter()
+    for step in range(job.trainer.max_steps):
+        batch = task.train_batch(step, rank * share, (rank + 1) * share, CPU)
+        loss = task.loss(model, batch)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return samples * job.trainer.max_steps / (time.perf_counter() - start)
 
 
 def spawn_rate(rank_fn: Callable[..., None], *args: Any) -> float:
@@ -130,7 +139,7 @@ def run(kind: str, job: JobConfig, port: int) -> float:
 def data_rate(job: JobConfig, steps: int) -> float:
     seed_everything(job.trainer.seed)
     task = load_task_builder(job.task)(job.model, job.data, WORLD, job.trainer.grad_accum)
-    device = torch.device("cpu")
+    device = CPU
     share = task.global_batch_size // WORLD
     task.train_batch(0, 0, share, device)
     start = time.perf_counter()
