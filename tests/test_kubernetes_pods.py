@@ -236,6 +236,12 @@ def test_sigterm_to_every_pod_checkpoints_and_the_rerun_resumes(tmp_path: Path, 
     assert (result["resumed_from"], result["param_digest"]) == (str(saved), local_digest)
     assert [line["reason"] for line in jobset.attempts()] == ["preempted", "completed"]
 
+    # `gpujobs status` reads the pods' run dir from the same records as a Slurm job's (no API asked)
+    status = subprocess.run([sys.executable, "-m", "gpujobs", "status", str(jobset.run_dir)], capture_output=True,
+                            text=True, env={**os.environ, "COLUMNS": "200"}, timeout=60)
+    assert status.returncode == 0, status.stderr
+    assert "completed (files)" in status.stdout and "2 (completed) world 4→4" in status.stdout, status.stdout
+
 
 def test_a_rank_killed_in_one_pod_fails_the_attempt_once(tmp_path: Path,
                                                          started: list[subprocess.Popen[str]]) -> None:
