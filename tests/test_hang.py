@@ -19,7 +19,7 @@ import pytest
 from conftest import SLOW, read_result, slurm_job_id, uninterrupted_digest
 from jobctl import RunningJob, attempts, slurm_rank_pids
 
-from gpujobs.attempt.evidence import take_stacks
+from gpujobs.attempt.evidence import stopped, take_stacks
 from gpujobs.base.process import alive
 from gpujobs.rundir import HEARTBEAT_DIR
 from gpujobs.rundir.heartbeat import Beat, stacks_path
@@ -114,6 +114,52 @@ def test_stacks_are_taken_whole_from_a_rank_that_pauses_mid_dump(tmp_path: Path,
     finally:
         rank.kill()
         rank.wait()
+
+
+_ANSWERING_RANK = """
+import faulthandler, signal, sys, threading, time
+stacks = sys.argv[1]
+def dump(signum, frame):
+    with open(stacks, "a") as out:
+        faulthandler.dump_traceback(out, all_threads=True)
+        out.write(f"answered at {time.monotonic()}\\n")
+signal.signal(signal.SIGUSR1, dump)
+print(threading.main_thread().ident, flush=True)
+while True:
+    time.sleep(0.01)
+"""
+
+
+def test_a_stopped_rank_answers_before_a_running_rank_is_asked(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The running ranks are held while a stopped one is continued alone to write its stacks; a running rank
+    asked first was held mid-dump and left half a dump (CI). So rank 0, running, is asked only once rank 1,
+    stopped, has answered; and both answers are whole."""
+    monkeypatch.setenv("PATH", path_without_py_spy())
+    run_dir = tmp_path / "run"
+    (run_dir / HEARTBEAT_DIR).mkdir(parents=True, mode=0o700)
+    ranks = [subprocess.Popen([sys.executable, "-c", _ANSWERING_RANK, str(stacks_path(run_dir, rank))],
+                              stdout=subprocess.PIPE, text=True) for rank in (0, 1)]
+    try:
+        beats = {rank: Beat(rank=rank, pid=proc.pid, node="n", host=socket.gethostname(), instance="i",
+                            started=0.0, main_thread=int(proc.stdout.readline())) for rank, proc in enumerate(ranks)}
+        os.kill(ranks[1].pid, signal.SIGSTOP)
+        out = tmp_path / "evidence"
+        out.mkdir()
+        how = take_stacks(run_dir, out, beats)
+        assert how == {0: "faulthandler",
+                       1: "faulthandler (stopped: continued alone to write them, then stopped again)"}, how
+        answered = {}
+        for rank in (0, 1):
+            text = (out / f"rank_{rank}.txt").read_text()
+            assert f"Current thread 0x{beats[rank].main_thread:016x}" in text and "in <module>" in text, text
+            answered[rank] = float(text.split("answered at ")[1])
+        assert answered[1] < answered[0], answered
+        assert stopped(ranks[1].pid)  # stopped again, not gone
+    finally:
+        for proc in ranks:
+            proc.kill()
+            proc.wait()
 
 
 def test_a_hang_whose_evidence_cannot_be_kept_is_still_killed_and_recorded(tmp_path: Path) -> None:

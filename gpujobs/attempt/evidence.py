@@ -100,7 +100,11 @@ def take_stacks(run_dir: Path, out: Path, ranks: dict[int, Beat],
     how: dict[int, str] = {}
     here = local_ranks(ranks)
     asked: list[int] = []
-    for rank in sorted(ranks):
+    signalled: list[int] = []
+    # a stopped rank is continued alone while the others are held: a rank held mid-dump went on, when
+    # continued, with its threads running under its own handler, and left half a dump (CI). So the stopped
+    # ranks answer first, before any running rank is asked
+    for rank in sorted(ranks, key=lambda r: not (r in here and stopped(here[r]))):
         pid = here.get(rank)
         text = py_spy_dump(pid) if pid is not None else None
         if text is not None:
@@ -112,18 +116,21 @@ def take_stacks(run_dir: Path, out: Path, ranks: dict[int, Beat],
                                [p for p in here.values() if p != pid])
             how[rank] = "faulthandler (stopped: continued alone to write them, then stopped again)"
         elif pid is not None:
-            os.kill(pid, STACKS_SIGNAL)
+            signalled.append(pid)
             how[rank] = "faulthandler"
         else:
             how[rank] = "faulthandler (signalled through Slurm)"
         asked.append(rank)
+    for pid in signalled:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, STACKS_SIGNAL)
     if asked and any(rank not in here for rank in asked) and signal_remote is not None:
         signal_remote()
     deadline = time.monotonic() + _FAULTHANDLER_WAIT_S
     waits = {rank: _Answer(stacks_path(run_dir, rank), ranks[rank].main_thread) for rank in asked}
     while not all(wait.whole() for wait in waits.values()) and time.monotonic() < deadline:
         time.sleep(0.05)
-    for rank in asked:
+    for rank in sorted(asked):
         try:  # never through a link: its target's text would be copied into the evidence
             text = read_own(stacks_path(run_dir, rank))
         except OSError:
@@ -131,7 +138,7 @@ def take_stacks(run_dir: Path, out: Path, ranks: dict[int, Beat],
         write_own(out / f"rank_{rank}.txt", text or "no stack: the rank did not answer SIGUSR1\n")
         if not text:
             how[rank] += ", no answer"
-    return how
+    return dict(sorted(how.items()))
 
 
 class _Answer:
