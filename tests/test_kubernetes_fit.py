@@ -1,44 +1,32 @@
 """`cluster=kubernetes` asks the kubeconfig's cluster whether the job can ever fit, and refuses one that cannot.
 
-No Kubernetes API server can run on these machines, so the cluster here is a real HTTP server on loopback
-that answers the paths the official `kubernetes` client calls (`gpujobs/backends/kubernetes/api.py`) with
-bodies shaped as the API documents them: a Namespace, a Kueue LocalQueue and ClusterQueue (`v1beta1`), a
-NodeList (filtered by `labelSelector` as the API server does), a `Status` with the HTTP code for what is
-absent (404) or refused (403, 500). The queues it serves are validated against the Kueue v0.19.2 CRDs'
-`openAPIV3Schema` (tests/data/k8s/), the Namespace and Nodes against Kubernetes' own schemas
-(`kubernetes-validate`), so the fakes have the documented shape. The client reaches it through a kubeconfig
-with a bearer token (the server refuses a request without it), from the real submit command in a subprocess.
+No Kubernetes API server can run on these machines: the cluster is `kubefake`'s loopback HTTP server, which
+answers as the API documents (see there), reached by the real submit command in a subprocess through a
+kubeconfig with a bearer token.
 """
 
 from __future__ import annotations
 
-import copy
-import json
 import os
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from decimal import Decimal
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Optional
-from urllib.parse import parse_qs, urlsplit
 
 import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
 from conftest import submit
+from kubefake import KUEUE, FakeCluster, cluster_queue, kubeconfig, node, running
 
 from gpujobs.base.errors import ConfigError
 from gpujobs.config.kube_names import quantity_value
 
-K8S = Path(__file__).parent / "data" / "k8s"
-K8S_VERSION = "1.37.0"  # the newest schemas kubernetes-validate 1.37.0 ships
-TOKEN = "gpujobs-test-token"
-KUEUE = "/apis/kueue.x-k8s.io/v1beta1"
 IMAGE = "registry.example.com/team/rec:1"
 KUBE = ("+experiment=rec", "cluster=kubernetes", "cluster.dry_run=true", "cluster.volume.claim=team-runs",
         "container=podman", f"container.image={IMAGE}", "cluster.namespace=ml")
@@ -48,144 +36,10 @@ QUEUED_READS = ["/api/v1/namespaces/ml", f"{KUEUE}/namespaces/ml/localqueues/tea
                 "/api/v1/nodes?labelSelector=nvidia.com/gpu.product%3DA100"]
 
 
-def crd_schema(name: str) -> dict[str, Any]:
-    """The v1beta1 `openAPIV3Schema` of a Kueue CRD in tests/data/k8s/."""
-    crd = yaml.safe_load((K8S / f"kueue-v0.19.2.{name}.crd.yaml").read_text())
-    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1beta1"]
-    schema: dict[str, Any] = version["schema"]["openAPIV3Schema"]
-    return schema
-
-
-SCHEMAS = {"LocalQueue": crd_schema("localqueues"), "ClusterQueue": crd_schema("clusterqueues")}
-
-
-def namespace(name: str) -> dict[str, Any]:
-    return {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name, "labels": {
-        "kubernetes.io/metadata.name": name}}, "spec": {"finalizers": ["kubernetes"]}, "status": {"phase": "Active"}}
-
-
-def local_queue(name: str, cluster_queue: str) -> dict[str, Any]:
-    return {"apiVersion": "kueue.x-k8s.io/v1beta1", "kind": "LocalQueue",
-            "metadata": {"name": name, "namespace": "ml"}, "spec": {"clusterQueue": cluster_queue}}
-
-
-def cluster_queue(gpus: Any, *, cohort: Optional[str] = None, borrowing: Any = None) -> dict[str, Any]:
-    """ClusterQueue team-cq: flavor a100 with `gpus` nominal GPUs (and `borrowing`, in `cohort`), beside a
-    flavor with none (that may borrow none: without a limit, it could borrow the cohort's)."""
-    gpu: dict[str, Any] = {"name": "nvidia.com/gpu", "nominalQuota": gpus}
-    if borrowing is not None:
-        gpu["borrowingLimit"] = borrowing
-    flavors = [{"name": "a100", "resources": [{"name": "cpu", "nominalQuota": 256},
-                                              {"name": "memory", "nominalQuota": "2Ti"}, gpu]},
-               {"name": "cpu-only", "resources": [{"name": "cpu", "nominalQuota": "64"},
-                                                  {"name": "memory", "nominalQuota": "256Gi"},
-                                                  {"name": "nvidia.com/gpu", "nominalQuota": 0,
-                                                   **({"borrowingLimit": 0} if cohort else {})}]}]
-    spec: dict[str, Any] = {"namespaceSelector": {}, "resourceGroups": [
-        {"coveredResources": ["cpu", "memory", "nvidia.com/gpu"], "flavors": flavors}]}
-    if cohort:
-        spec["cohort"] = cohort
-    return {"apiVersion": "kueue.x-k8s.io/v1beta1", "kind": "ClusterQueue", "metadata": {"name": "team-cq"},
-            "spec": spec}
-
-
-def node(name: str, gpus: str, product: str) -> dict[str, Any]:
-    resources = {"cpu": "96", "memory": "1056Gi", "nvidia.com/gpu": gpus, "pods": "110"}
-    return {"apiVersion": "v1", "kind": "Node",
-            "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name, "nvidia.com/gpu.product": product}},
-            "status": {"allocatable": resources, "capacity": resources}}
-
-
-def status(code: int, reason: str, message: str) -> dict[str, Any]:
-    """The API's error body (a meta/v1 Status)."""
-    return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "message": message,
-            "reason": reason, "code": code}
-
-
-class FakeCluster:
-    """What the loopback API server holds: objects by path, nodes, failures to answer by path, requests."""
-
-    def __init__(self) -> None:
-        self.objects: dict[str, dict[str, Any]] = {
-            "/api/v1/namespaces/ml": namespace("ml"),
-            f"{KUEUE}/namespaces/ml/localqueues/team-a": local_queue("team-a", "team-cq"),
-            f"{KUEUE}/namespaces/ml/localqueues/orphan": local_queue("orphan", "gone-cq"),
-            f"{KUEUE}/clusterqueues/team-cq": cluster_queue(8),
-        }
-        self.nodes = [node("gpu-1", "8", "A100"), node("gpu-2", "8", "A100"), node("small-1", "2", "T4")]
-        self.failures: dict[str, tuple[int, str]] = {}
-        self.requests: list[str] = []
-
-    def answer(self, target: str, authorization: Optional[str]) -> tuple[int, dict[str, Any]]:
-        """The HTTP code and JSON body the API server would send for GET `target`."""
-        self.requests.append(target)
-        url = urlsplit(target)
-        if authorization != f"Bearer {TOKEN}":
-            return 401, status(401, "Unauthorized", "Unauthorized")
-        if url.path in self.failures:
-            code, reason = self.failures[url.path]
-            return code, status(code, reason, f"{reason.lower()} for {url.path}: as the test asked")
-        if url.path == "/api/v1/nodes":
-            return 200, self.node_list(parse_qs(url.query).get("labelSelector", [""])[0])
-        if url.path in self.objects:
-            return 200, self.objects[url.path]
-        kind, name = url.path.rsplit("/", 2)[-2:]
-        return 404, status(404, "NotFound", f'{kind} "{name}" not found')
-
-    def node_list(self, selector: str) -> dict[str, Any]:
-        """The NodeList of the nodes with every `key=value` label of `selector` (equality selectors only)."""
-        wanted = dict(term.split("=", 1) for term in selector.split(",") if term)
-        items = [n for n in self.nodes if all(n["metadata"]["labels"].get(k) == v for k, v in wanted.items())]
-        return {"apiVersion": "v1", "kind": "NodeList", "metadata": {"resourceVersion": "42"}, "items": items}
-
-    def validate(self) -> None:
-        """Every object served has its kind's documented shape."""
-        for obj in [*self.objects.values(), *self.nodes]:
-            if obj["kind"] in SCHEMAS:
-                jsonschema.validate(obj, SCHEMAS[obj["kind"]], cls=jsonschema.Draft7Validator)
-            else:
-                kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
-
-
-def serve(cluster: FakeCluster) -> ThreadingHTTPServer:
-    """An HTTP server on 127.0.0.1 (a free port) answering GETs from `cluster`, serving in a thread."""
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            code, body = cluster.answer(self.path, self.headers.get("Authorization"))
-            data = json.dumps(body).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def log_message(self, format: str, *args: Any) -> None:
-            pass  # the requests are counted in cluster.requests
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server
-
-
-def kubeconfig(path: Path, server: str) -> Path:
-    """A kubeconfig whose current context is `server` with the test's bearer token."""
-    path.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config", "current-context": "test",
-        "clusters": [{"name": "loopback", "cluster": {"server": server}}],
-        "users": [{"name": "alice", "user": {"token": TOKEN}}],
-        "contexts": [{"name": "test", "context": {"cluster": "loopback", "user": "alice"}}]}))
-    return path
-
-
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[FakeCluster]:
-    fake = FakeCluster()
-    server = serve(fake)
-    kubeconfig(tmp_path / "kubeconfig", f"http://127.0.0.1:{server.server_address[1]}")
-    yield fake
-    server.shutdown()
-    server.server_close()
+    with running(tmp_path / "kubeconfig") as fake:
+        yield fake
 
 
 def run(tmp_path: Path, *overrides: str, config: Optional[Path] = None) -> Any:
@@ -283,7 +137,7 @@ def test_an_api_refusal_refuses_the_submit_in_one_line(
     line = assert_refused(run(tmp_path, *QUEUED, "resources.gpus_per_node=4"), tmp_path, key)
     assert line.startswith(f"gpujobs: cannot check {key}="), line
     phrase = HTTPStatus(code).phrase  # the status line's; the Status body's message follows
-    assert "could not give " in line and f"HTTP {code} {phrase}: {reason.lower()} for {path}: as the test asked" in line
+    assert "could not get " in line and f"HTTP {code} {phrase}: {reason.lower()} for {path}: as the test asked" in line
     assert ("it needs RBAC" in line) == (code == 403), line
     assert sum(r.startswith(path) for r in cluster.requests) == 1  # a refusal is not retried
 
@@ -365,12 +219,12 @@ def test_quantities_are_read_as_kubernetes_parses_them() -> None:
 
 def test_the_fakes_are_checked_against_the_schemas(cluster: FakeCluster) -> None:
     """The shape checks can fail: a queue or node the API would refuse is refused."""
-    broken = copy.deepcopy(cluster)
+    broken = FakeCluster()
     broken.objects[f"{KUEUE}/clusterqueues/team-cq"]["spec"]["resourceGroups"][0]["flavors"][0]["resources"][2][
         "nominalQuota"] = "8 GPUs"
     with pytest.raises(jsonschema.ValidationError):
         broken.validate()
-    broken = copy.deepcopy(cluster)
+    broken = FakeCluster()
     broken.nodes[0]["status"]["allocatable_typo"] = {}
     with pytest.raises(kubernetes_validate.ValidationError):
         broken.validate()

@@ -140,7 +140,7 @@ def test_local_run_survives_garbage_in_its_metrics_and_the_tools_read_torn_files
     cancel = gpujobs("cancel", str(run_dir), env={})
     assert (cancel.returncode, cancel.stdout) == (0, "gpujobs: cancelled nothing (no Slurm job)\n"), cancel.stderr
     logs = gpujobs("logs", str(run_dir), env={})
-    assert logs.returncode == 2 and "has no Slurm job" in logs.stderr, logs.stderr
+    assert logs.returncode == 2 and "has no queued job" in logs.stderr, logs.stderr
     again = gpujobs("resubmit", "--failed", str(run_dir), env={})
     assert (again.returncode, again.stdout) == (1, "gpujobs: no failed points to resubmit\n"), again.stderr
 

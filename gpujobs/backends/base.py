@@ -58,6 +58,9 @@ class Backend(ABC):
     """It queues a script, which `render` gives and a dry run prints."""
     container_runtimes: ClassVar[frozenset[str]] = frozenset()
     """The `container=` runtimes its ranks run in (none is always run; another is refused at preflight)."""
+    queues_arrays: ClassVar[bool] = False
+    """A sweep's points are queued together as job arrays (`gpujobs.launch.sweep.submit_arrays`). A
+    scheduler without arrays gets one `submit` a point; a backend that does not queue runs them here."""
 
     @abstractmethod
     def preflight(self, job: JobConfig, cache: Optional[PreflightCache] = None) -> None:
@@ -123,6 +126,8 @@ class Scheduler(Backend):
     """States `resubmit --failed` brings back."""
     cancelled_state: ClassVar[str]
     """The state of a job that was cancelled (`resubmit --cancelled` brings it back too)."""
+    job_word: ClassVar[str]
+    """What its jobs are called in a line: `Slurm job`, `JobSet`."""
 
     @abstractmethod
     def submit(self, job: JobConfig, run_dir: Path) -> str:

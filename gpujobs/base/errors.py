@@ -33,3 +33,8 @@ class ConfigError(GpujobsError, ValueError):
 
 class SubmitError(GpujobsError):
     """The job could not be submitted or launched (the executor said why)."""
+
+
+class SchedulerError(GpujobsError):
+    """A scheduler could not be asked (a Slurm command failed, the Kubernetes API did not answer): not the
+    user's input, so the commands that manage jobs exit 1 on it, not 2. The message is one line."""

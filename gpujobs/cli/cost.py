@@ -130,7 +130,7 @@ def slurm_jobs(run_dir: Path) -> list[str]:
     """Every Slurm job queued for `run_dir` (resubmissions too), oldest first."""
     ids: list[str] = []
     for line in read_submissions(run_dir):
-        if line.logs is not None and line.job_id not in ids:
+        if line.logs is not None and line.cluster == "slurm" and line.job_id not in ids:
             ids.append(line.job_id)
     return ids
 

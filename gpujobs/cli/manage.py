@@ -14,8 +14,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
-from gpujobs.backends import slurm_backend
-from gpujobs.base.errors import GpujobsError
+from gpujobs.base.errors import GpujobsError, SchedulerError
 from gpujobs.cli.main import COMMANDS
 from gpujobs.config.schema import MAX_WAIT_S
 from gpujobs.launch import manage
@@ -78,8 +77,8 @@ def _status(args: argparse.Namespace) -> int:
 def _logs(args: argparse.Namespace) -> int:
     point = manage.select(manage.points_of(args.dir), args.point)[0]
     if point.job_id is None or point.logs is None:
-        raise GpujobsError(f"{point.run_dir} has no Slurm job (local runs print their logs as they go)")
-    path = slurm_backend().log_path(point.logs, point.job_id, args.rank, err=args.err)
+        raise GpujobsError(f"{point.run_dir} has no queued job (local runs print their logs as they go)")
+    path = manage.scheduler_of(point).log_path(point.logs, point.job_id, args.rank, err=args.err)
     if not args.follow:
         if not path.exists():
             raise GpujobsError(f"no log yet: {path}")
@@ -187,11 +186,11 @@ def main(argv: Optional[list[str]] = None, prog: str = "python -m gpujobs") -> i
             return _cancel(points)
         warning = manage.refresh(points, args.sacct_timeout)
         if warning:  # exit 1, as a Slurm command that failed: not bad input
-            print(f"gpujobs: {warning}; resubmit needs Slurm's view of the states, try again", file=sys.stderr)
+            print(f"gpujobs: {warning}; resubmit needs the scheduler's view of the states, try again", file=sys.stderr)
             return 1
         outcomes = manage.resubmit(args.dir, points, cancelled=args.cancelled)
         return _resubmitted(outcomes, single=points[0].num is None)
-    except manage.SlurmCommandError as err:
+    except SchedulerError as err:
         print(f"gpujobs: {err}", file=sys.stderr)
         return 1
     except GpujobsError as err:

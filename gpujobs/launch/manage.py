@@ -1,20 +1,21 @@
 """Watch, cancel and repair submitted runs and sweeps (submit side, torch-free).
 
-A run dir (config.yaml) or a sweep dir (sweep.json) is all these need: each Slurm run dir lists the job
-ids that ran it (`slurm_jobs.jsonl`, the last is the current one). States come from ONE `sacct` call
-for the whole sweep per poll, never one per job; when `sacct` is slow or fails, the table says so and
-falls back to what the run dirs' files say. Every JSON-lines file is read with `atomic.read_jsonl`, so a
+A run dir (config.yaml) or a sweep dir (sweep.json) is all these need: each queued run dir lists the job
+ids that ran it (`slurm_jobs.jsonl`, the last is the current one), each with its scheduler (Slurm, or
+Kubernetes for a JobSet). States come from ONE call a scheduler for the whole sweep per poll (`sacct`; one
+list of JobSets a namespace), never one per job; when it is slow or fails, the table says so and falls back
+to what the run dirs' files say. Every JSON-lines file is read with `atomic.read_jsonl`, so a
 torn or garbage line in any of them is skipped, never fatal.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
-from gpujobs.backends import Scheduler, backend_for, slurm_backend
-from gpujobs.backends.slurm.commands import SlurmCommandError
+from gpujobs.backends import Scheduler, backend_for, backend_named
 from gpujobs.base.errors import GpujobsError
 from gpujobs.rundir import CONFIG_FILE, lease
 from gpujobs.rundir.attempts import AttemptLog
@@ -22,7 +23,7 @@ from gpujobs.rundir.files import read_config, read_submissions, record_cancel
 from gpujobs.rundir.records import Attempt, Result, read_result
 
 if TYPE_CHECKING:
-    from gpujobs.launch.sweep import Outcome
+    from gpujobs.launch.sweep import Outcome, Point
 
 #: How a run that ran here (cluster=local or debug) ended, as its files say, that `resubmit --failed`
 #: brings back: its last attempt's reason once no attempt follows, or `interrupted` (its launcher is gone).
@@ -38,6 +39,8 @@ class PointState:
     run_dir: Path
     job_id: Optional[str]
     logs: Optional[Path]
+    cluster: str = "slurm"
+    """The scheduler that knows `job_id` (a backend name)."""
     cancelled: bool = False
     """`gpujobs cancel` cancelled the current job."""
     state: str = "?"
@@ -68,7 +71,7 @@ def points_of(path: Path) -> list[PointState]:
         current = queued[-1]
         cancelled = any(line.cancelled is not None and line.job_id == current.job_id for line in submissions)
         points.append(PointState(entry["num"], list(entry["overrides"]), run_dir, current.job_id, current.logs,
-                                 cancelled))
+                                 current.cluster, cancelled))
     return points
 
 
@@ -122,24 +125,46 @@ def state_from_files(point: PointState) -> tuple[str, Optional[str]]:
     return f"{last.reason} (files)", None if last.requeue else last.reason
 
 
-def refresh(points: list[PointState], timeout_s: float = 10.0) -> Optional[str]:
-    """Fill in every point's state and finality; returns a warning when sacct could not be asked."""
-    scheduler = slurm_backend()  # the scheduler whose job ids `slurm_jobs.jsonl` lists (a run here has none)
-    try:
-        states = scheduler.states([p.job_id for p in points if p.job_id], timeout_s)
-    except SlurmCommandError as err:
-        for point in points:
-            _from_files(point)
-        return f"{err}: showing what the run dirs say"
+def scheduler_of(point: PointState) -> Scheduler:
+    """The scheduler that knows the point's job id."""
+    scheduler = backend_named(point.cluster)
+    assert isinstance(scheduler, Scheduler), point.cluster  # read_submissions keeps schedulers' ids only
+    return scheduler
+
+
+def by_scheduler(points: Sequence[PointState]) -> dict[str, list[PointState]]:
+    """The points that have a job id, by the name of the scheduler that knows it."""
+    groups: dict[str, list[PointState]] = {}
     for point in points:
-        state = states.get(point.job_id) if point.job_id else None
-        if state is not None:
-            point.state, point.final = state, state in scheduler.final_states
-        elif point.cancelled:  # Slurm keeps no record of an array task cancelled while pending
-            point.state, point.final = scheduler.cancelled_state, True
-        else:  # a local run, or a job sacct does not list (yet)
+        if point.job_id is not None:
+            groups.setdefault(point.cluster, []).append(point)
+    return groups
+
+
+def refresh(points: list[PointState], timeout_s: float = 10.0) -> Optional[str]:
+    """Fill in every point's state and finality; returns a warning when a scheduler could not be asked."""
+    warnings = []
+    for point in points:
+        if point.job_id is None:  # a run here: its files say
             _from_files(point)
-    return None
+    for group in by_scheduler(points).values():
+        scheduler = scheduler_of(group[0])
+        try:
+            states = scheduler.states([p.job_id for p in group if p.job_id], timeout_s)
+        except GpujobsError as err:
+            for point in group:
+                _from_files(point)
+            warnings.append(f"{err}: showing what the run dirs say")
+            continue
+        for point in group:
+            state = states.get(point.job_id) if point.job_id else None
+            if state is not None:
+                point.state, point.final = state, state in scheduler.final_states
+            elif point.cancelled:  # Slurm keeps no record of an array task cancelled while pending; a JobSet is gone
+                point.state, point.final = scheduler.cancelled_state, True
+            else:  # a job the scheduler does not list (yet, or any more)
+                _from_files(point)
+    return "; ".join(warnings) or None
 
 
 def _from_files(point: PointState) -> None:
@@ -174,52 +199,61 @@ def cancel(points: list[PointState]) -> CancelOutcome:
     """Cancel the current job of each point (one call); note each id it cancelled in its run dir. The
     ids it could not cancel are not noted (`Scheduler.cancel` names them), the others are even when some fail."""
     outcome = CancelOutcome()
-    scheduler = slurm_backend()
-    errors = scheduler.cancel([p.job_id for p in points if p.job_id])
-    for point in points:
-        if point.job_id is None:
-            continue
-        why = errors.get(point.job_id)
-        if why is None:
-            record_cancel(point.run_dir, point.job_id)
-            outcome.cancelled.append(point.job_id)
-        elif scheduler.already_ended(why):
-            outcome.ended[point.job_id] = why
-        else:
-            outcome.failed[point.job_id] = why
+    for group in by_scheduler(points).values():
+        scheduler = scheduler_of(group[0])
+        errors = scheduler.cancel([p.job_id for p in group if p.job_id])
+        for point in group:
+            assert point.job_id is not None  # by_scheduler keeps those that have one
+            why = errors.get(point.job_id)
+            if why is None:
+                record_cancel(point.run_dir, point.job_id, cluster=point.cluster)
+                outcome.cancelled.append(point.job_id)
+            elif scheduler.already_ended(why):
+                outcome.ended[point.job_id] = why
+            else:
+                outcome.failed[point.job_id] = why
     return outcome
 
 
 def resubmit(sweep_dir: Path, points: list[PointState], *, cancelled: bool = False) -> list[Outcome]:
     """Start again the points that failed (and, if asked, were cancelled): Slurm points as one new array
-    (a single run dir: one job again, as it was), points that ran here (cluster=local or debug) here, one
-    after another, as the sweep ran them (`sweep.run_here`).
+    (a single run dir: one job again, as it was), JobSets one each, points that ran here (cluster=local or
+    debug) here, one after another, as the sweep ran them (`sweep.run_here`).
 
     Each is checked first as every start is (preflight, `check_start`): one refused, nothing is queued
     or run. Each resumes from its run dir's last complete checkpoint, as every start does. Returns one
     outcome per point, in order: queued (its job id) or, for those run here, completed or failed.
     """
-    from gpujobs.launch.sweep import ARRAY_FOLDER, Outcome, SweepPlan, run_here, submit_arrays
+    from gpujobs.launch.sweep import ARRAY_FOLDER, SweepPlan, run_here, submit_arrays
 
-    scheduler = slurm_backend()
-    slurm_wanted = scheduler.failed_states | ({scheduler.cancelled_state} if cancelled else set())
     here_wanted = FAILED_HERE | ({"cancelled"} if cancelled else set())
-    # a point never queued to Slurm ran here: only its files say how it ended
-    chosen = [p for p in points if (p.state in slurm_wanted if p.job_id else p.ended in here_wanted)]
+
+    def wanted(point: PointState) -> bool:
+        if point.job_id is None:  # never queued: it ran here, and only its files say how it ended
+            return point.ended in here_wanted
+        scheduler = scheduler_of(point)
+        return point.state in scheduler.failed_states | ({scheduler.cancelled_state} if cancelled else set())
+
+    chosen = [p for p in points if wanted(p)]
     plan = SweepPlan(sweep_dir.absolute(), single=bool(chosen) and chosen[0].num is None)
     for p in chosen:
         plan.add(read_config(p.run_dir), p.run_dir, p.num or 0, p.overrides)
-    queued = [point for point in plan.points if backend_for(point.job).queues]
+    if chosen and chosen[0].num is None and backend_for(plan.points[0].job).queues:  # one job again, as it was
+        return [_submit_one(plan.points[0])]
+    arrays = [point for point in plan.points if backend_for(point.job).queues_arrays]
+    each = [point for point in plan.points if backend_for(point.job).queues and point not in arrays]
     here = [point for point in plan.points if not backend_for(point.job).queues]
-    if chosen and chosen[0].num is None:  # a single run dir: one job again, as it was
-        (point,) = plan.points
-        backend = backend_for(point.job)
-        if isinstance(backend, Scheduler):
-            job_id = backend.submit(point.job, point.run_dir)
-            print(f"gpujobs: submitted Slurm job {job_id}; run dir {point.run_dir}", flush=True)
-            return [Outcome(point, 0, job_id=job_id)]
-        from gpujobs.launch import start
-
-        return [Outcome(point, start(point.job, point.run_dir))]
-    outcomes = submit_arrays(queued, sweep_dir.absolute() / ARRAY_FOLDER) if queued else []
+    outcomes = submit_arrays(arrays, sweep_dir.absolute() / ARRAY_FOLDER) if arrays else []
+    outcomes += [_submit_one(point) for point in each]
     return outcomes + run_here(sweep_dir.absolute(), here)
+
+
+def _submit_one(point: Point) -> Outcome:
+    """Queue one checked point again (a single run dir, or a JobSet of a sweep); its outcome."""
+    from gpujobs.launch.sweep import Outcome
+
+    backend = backend_for(point.job)
+    assert isinstance(backend, Scheduler)
+    job_id = backend.submit(point.job, point.run_dir)
+    print(f"gpujobs: submitted {backend.job_word} {job_id}; run dir {point.run_dir}", flush=True)
+    return Outcome(point, 0, job_id=job_id)

@@ -329,8 +329,8 @@ def run_plan(plan: SweepPlan) -> list[Outcome]:
 
 
 def _carry_out(plan: SweepPlan) -> list[Outcome]:
-    slurm = [p for p in plan.points if backend_for(p.job).queues]
-    others = [p for p in plan.points if not backend_for(p.job).queues]
+    slurm = [p for p in plan.points if backend_for(p.job).queues_arrays]
+    others = [p for p in plan.points if not backend_for(p.job).queues_arrays]  # JobSets: one submit each
     outcomes: list[Outcome] = []
     if slurm:
         dry_run = any(p.job.cluster.dry_run for p in slurm)
@@ -362,8 +362,9 @@ def _carry_out(plan: SweepPlan) -> list[Outcome]:
 
 
 def run_here(sweep_dir: Path, points: list[Point]) -> list[Outcome]:
-    """Run points of other clusters than Slurm (local, debug) here, one after another (a sweep's, or
-    those `gpujobs resubmit` brings back); each point's outcome is its exit code."""
+    """Run points of clusters without job arrays (local, debug) here, one after another (a sweep's, or
+    those `gpujobs resubmit` brings back), or queue them one by one (kubernetes: a JobSet a point, each
+    created as a single run's is); each point's outcome is its exit code."""
     from gpujobs.launch import start
 
     if points:  # `gpujobs status SWEEP_DIR` reads local points too, also while they run

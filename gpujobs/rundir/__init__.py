@@ -9,9 +9,10 @@ A run dir is shared by every attempt of its job (requeues, restarts, a hand-run 
     result.json        the completed run's result
     metrics.jsonl      rank 0's metrics, one line per log step
     gpu.jsonl          GPU telemetry samples
-    slurm_jobs.jsonl   the Slurm submissions of the run dir (`files.read_submissions`)
+    slurm_jobs.jsonl   the queued submissions of the run dir: Slurm jobs, JobSets (`files.read_submissions`)
     lease.json         the job that runs the run dir (`lease`)
     submit.sbatch      the script that queues the run dir alone
+    jobset.yaml        the JobSet created for the run dir (cluster=kubernetes)
     prometheus.json    where the Prometheus endpoint listens
     tracker.json       the experiment trackers' run of this run dir (MLflow run id, TensorBoard log dir)
     reruns/<job id>/   runs of a completed run dir's submit.sbatch queued again

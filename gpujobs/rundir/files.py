@@ -112,49 +112,55 @@ def discard_if_empty(run_dir: Path) -> None:
 
 @dataclass(frozen=True)
 class Submission:
-    """One line of `slurm_jobs.jsonl`: a Slurm job queued for the run dir (`logs` set), or a note that
+    """One line of `slurm_jobs.jsonl`: a job queued for the run dir (`logs` set), or a note that
     `gpujobs cancel` cancelled one (`cancelled` set)."""
 
     job_id: str
     logs: Optional[Path] = None
-    """The job's submitit folder (its task logs); None on a cancel note."""
+    """The job's log folder (its tasks' or pods' rank logs); None on a cancel note."""
     submitted: Optional[float] = None
     cancelled: Optional[float] = None
+    cluster: str = "slurm"
+    """The scheduler that knows `job_id` (the file is named for the first: a line without it is Slurm's)."""
 
 
-#: A Slurm job id as gpujobs records them: `JOBID`, or `ARRAYID_TASK` for a task of a job array.
-_JOB_ID = re.compile(r"^\d+(_\d+)?$")
+#: The job ids of each scheduler as gpujobs records them. Slurm: `JOBID`, or `ARRAYID_TASK` for a task of a
+#: job array. Kubernetes: `NAMESPACE/NAME` of a JobSet (two DNS-1123 labels).
+_JOB_IDS = {"slurm": re.compile(r"^\d+(_\d+)?$"),
+            "kubernetes": re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?/[a-z0-9]([-a-z0-9]*[a-z0-9])?$")}
 
 
-def record_submission(run_dir: Path, job_id: str, log_folder: Path) -> None:
-    """Append the job id that now runs `run_dir` (the last submission is the current one).
+def record_submission(run_dir: Path, job_id: str, log_folder: Path, *, cluster: str = "slurm") -> None:
+    """Append the job id that now runs `run_dir` (the last submission is the current one), known to `cluster`.
 
     Not fsynced: a sweep records hundreds at once, after the files the jobs need are durable; a line
     lost to a crash leaves a job that status cannot name, never a run dir that cannot run.
     """
-    append_jsonl(run_dir / SUBMISSIONS_FILE, {"job_id": job_id, "logs": str(log_folder),
-                                              "submitted": round(time.time(), 3)})
+    line = {"job_id": job_id, "logs": str(log_folder), "submitted": round(time.time(), 3)}
+    append_jsonl(run_dir / SUBMISSIONS_FILE, line if cluster == "slurm" else {**line, "cluster": cluster})
 
 
-def record_cancel(run_dir: Path, job_id: str) -> None:
+def record_cancel(run_dir: Path, job_id: str, *, cluster: str = "slurm") -> None:
     """Note that `gpujobs cancel` cancelled `job_id`: Slurm keeps no record of an array task cancelled
-    while it was pending, so without this note its state would be unknown."""
-    append_jsonl(run_dir / SUBMISSIONS_FILE, {"job_id": job_id, "cancelled": round(time.time(), 3)})
+    while it was pending, and a cancelled JobSet is deleted, so without this note its state would be unknown."""
+    line = {"job_id": job_id, "cancelled": round(time.time(), 3)}
+    append_jsonl(run_dir / SUBMISSIONS_FILE, line if cluster == "slurm" else {**line, "cluster": cluster})
 
 
 def read_submissions(run_dir: Path) -> list[Submission]:
-    """Every Slurm submission and cancel note of `run_dir`, oldest first (empty for local runs).
+    """Every submission and cancel note of `run_dir`, oldest first (empty for local runs).
 
-    Lines that are torn, garbage, or name no Slurm job id are skipped.
+    Lines that are torn, garbage, or name no job id of their scheduler are skipped.
     """
     submissions = []
     for line in read_jsonl(run_dir / SUBMISSIONS_FILE):
-        job_id, logs = line.get("job_id"), line.get("logs")
-        if not isinstance(job_id, str) or not _JOB_ID.match(job_id):
+        job_id, logs, cluster = line.get("job_id"), line.get("logs"), line.get("cluster", "slurm")
+        pattern = _JOB_IDS.get(cluster) if isinstance(cluster, str) else None
+        if not isinstance(job_id, str) or pattern is None or not pattern.match(job_id):
             continue
         submissions.append(Submission(
             job_id, Path(logs) if isinstance(logs, str) else None, _number(line.get("submitted")),
-            _number(line.get("cancelled")),
+            _number(line.get("cancelled")), cluster,
         ))
     return submissions
 

@@ -1,56 +1,56 @@
 """`cluster=kubernetes`: one JobSet a job, optionally queued by Kueue (`jobset.py` renders it).
 
-This version renders only: `cluster.dry_run=true` prints the JobSet for `kubectl apply -f`, and a submit
-without it is refused. Before, where the kubeconfig's cluster can be asked (`preflight.py`, through the
-one client module `api.py`), a job it can never run is refused (`fit.py`). The image is `container.image`
-with `container=podman` (an OCI image reference, which the nodes pull as podman would), and the run dir
-lies on the shared volume (`cluster.volume`). What the config loader cannot know (where the run dir is,
-the container) is checked here, before anything is written.
+A submit creates the JobSet through the API client (`jobs.py`, over the one client module `api.py`: the
+`kubernetes` extra and the user's kubeconfig), keeps its YAML as the run dir's `jobset.yaml` and records its
+id `NAMESPACE/NAME`; `gpujobs status|logs|cancel|resubmit` then work on it as on a Slurm job.
+`cluster.dry_run=true` prints the JobSet (for `kubectl apply -f`) and creates nothing. Before either, where
+the kubeconfig's cluster can be asked (`preflight.py`), a job it can never run is refused (`fit.py`). The
+image is `container.image` with `container=podman` (an OCI image reference, which the nodes pull as podman
+would), and the run dir lies on the shared volume (`cluster.volume`). What the config loader cannot know
+(where the run dir is, the container) is checked here, before anything is written.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Optional
 
-from gpujobs.backends.base import Backend, PreflightCache
-from gpujobs.base.errors import ConfigError
+from gpujobs.backends.base import Allocation, PreflightCache, Scheduler
+from gpujobs.backends.kubernetes import jobs
+from gpujobs.backends.kubernetes.jobs import LEASE_HOLDER
+from gpujobs.base.errors import ConfigError, SubmitError
 from gpujobs.config.load import JobConfig
 from gpujobs.config.modes import Runtime
 from gpujobs.rundir import lease
 
-#: Why a submit without `cluster.dry_run` is refused in this version.
-RENDER_ONLY = ("true: this version renders the JobSet (cluster.dry_run=true > jobset.yaml; "
-               "kubectl apply -f jobset.yaml)")
+__all__ = ["LEASE_HOLDER", "KubernetesBackend"]
+
 IMAGE_NEEDED = ("an OCI image reference the nodes pull, with container=podman (e.g. container=podman "
                 "container.image=registry.example.com/team/rec:1): cluster=kubernetes runs the ranks in it")
 
-
-#: The lease holder's word for a JobSet (its job id: the JobSet's name, the same for every pod and restart).
-LEASE_HOLDER = "kubernetes"
+lease.register_job_liveness(LEASE_HOLDER, jobs.liveness)
 
 
-def jobset_liveness(name: str) -> tuple[bool, str]:
-    """Whether JobSet `name`, which holds a run dir's lease, may still run: a pod cannot ask the API server
-    (no client, no rights), so another JobSet's lease holds until someone who can look removes it."""
-    return True, (f"a pod cannot ask whether it still runs: once `kubectl get jobset {name}` finds none, "
-                  f"remove the run dir's lease.json")
-
-
-lease.register_job_liveness(LEASE_HOLDER, jobset_liveness)
-
-
-class KubernetesBackend(Backend):
-    """A JobSet on a Kubernetes cluster: rendered here, applied with kubectl."""
+class KubernetesBackend(Scheduler):
+    """A JobSet on a Kubernetes cluster, created and read through the official client."""
 
     name = "kubernetes"
     renders = True
     container_runtimes = frozenset({Runtime.podman.value})
+    final_states = jobs.FINAL
+    failed_states = jobs.FAILED
+    cancelled_state = jobs.CANCELLED
+    job_word = "JobSet"
 
     def preflight(self, job: JobConfig, cache: Optional[PreflightCache] = None) -> None:
-        from gpujobs.backends.kubernetes.preflight import preflight_kubernetes
+        from gpujobs.backends.kubernetes.preflight import preflight_kubernetes, why_not_asked
 
         check_kubernetes_job(job)
+        why = why_not_asked()
+        if why is not None and not job.cluster.dry_run:
+            raise ConfigError("cluster.dry_run", False, f"true: a JobSet is created through the API client, and "
+                              f"{why} (a dry run prints it for kubectl apply -f)")
         preflight_kubernetes(job, cache)
 
     def render(self, job: JobConfig, run_dir: Path) -> str:
@@ -63,14 +63,49 @@ class KubernetesBackend(Backend):
         return text
 
     def start(self, job: JobConfig, run_dir: Path) -> int:
-        raise ConfigError("cluster.dry_run", job.cluster.dry_run, RENDER_ONLY)
+        job_id = self.submit(job, run_dir)
+        print(f"gpujobs: submitted JobSet {job_id}; run dir {run_dir}", flush=True)
+        return self.follow(job, run_dir, job_id) if self.follows(job) else 0
+
+    def submit(self, job: JobConfig, run_dir: Path) -> str:
+        check_on_volume(job, "hydra.run.dir", run_dir.absolute())
+        return jobs.submit_jobset(job, run_dir)
+
+    def follow(self, job: JobConfig, run_dir: Path, job_id: str) -> int:
+        return jobs.follow(job_id)
+
+    def states(self, job_ids: Sequence[str], timeout_s: float) -> dict[str, str]:
+        return jobs.states(job_ids)
+
+    def cancel(self, job_ids: Sequence[str]) -> dict[str, str]:
+        return jobs.cancel(job_ids)
+
+    def already_ended(self, why: str) -> bool:
+        return why == jobs.GONE
+
+    def log_path(self, logs: Path, job_id: str, rank: int, *, err: bool = False) -> Path:
+        return logs / f"{jobs.split_id(job_id)[1]}_{rank}_log.{'err' if err else 'out'}"  # the pods write them
+
+    def liveness(self, job_id: str) -> tuple[bool, str]:
+        return jobs.liveness(job_id)
+
+    def requeue(self, job_id: str) -> Optional[str]:
+        return "a JobSet restarts by its failurePolicy (cluster.max_restarts), not on request"
+
+    def exclude(self, job_id: str, nodes: Sequence[str]) -> Optional[str]:
+        return f"a JobSet keeps off nodes by cluster.node_selector and taints: cordon {', '.join(nodes)} by hand"
+
+    def queue_prepare(self, job: JobConfig, store: Path, logs: Path, tasks: int, at_once: Optional[int]) -> str:
+        raise SubmitError("gpujobs prepare runs here or on Slurm, not as a JobSet: prepare the store with "
+                          "cluster=local on a machine that mounts the volume")
+
+    def allocations(self, job_ids: Sequence[str], timeout_s: float) -> dict[str, list[Allocation]]:
+        return {}  # no accounting is asked of the cluster: `gpujobs cost` counts from the run dir's records
 
 
 def check_kubernetes_job(job: JobConfig) -> None:
-    """Refuse what the JobSet cannot say (ConfigError naming the key): a submit that is no dry run, no image,
+    """Refuse what the JobSet cannot say (ConfigError naming the key): no image,
     container keys that mean nothing in a pod, an elastic node range, a data store off the volume."""
-    if not job.cluster.dry_run:
-        raise ConfigError("cluster.dry_run", False, RENDER_ONLY)
     container = job.container
     if container.runtime == Runtime.none or not container.image:
         raise ConfigError("container.image", container.image, IMAGE_NEEDED)

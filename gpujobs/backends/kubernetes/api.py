@@ -1,4 +1,5 @@
-"""The few reads of the Kubernetes API that the preflight makes, through the official `kubernetes` client.
+"""The few calls gpujobs makes to the Kubernetes API, through the official `kubernetes` client: the preflight's
+reads, and a JobSet's create, get, list and delete (submit, status, cancel, resubmit).
 
 This is the one module that imports `kubernetes` (an import-linter contract says so): the optional extra
 `pip install 'gpujobs[kubernetes]'`. It connects as kubectl does: the kubeconfig files of `KUBECONFIG`
@@ -26,10 +27,13 @@ from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 from kubernetes.config.config_exception import ConfigException
 
-from gpujobs.base.errors import GpujobsError
+from gpujobs.base.errors import SchedulerError
 
 KUEUE_GROUP = "kueue.x-k8s.io"
 KUEUE_VERSION = "v1beta1"
+JOBSET_GROUP = "jobset.x-k8s.io"
+JOBSET_VERSION = "v1alpha2"
+JOBSETS = "jobsets"
 #: Seconds to connect and to read one answer: a preflight that hangs on a dead API server helps no one.
 TIMEOUT_S = (5.0, 20.0)
 #: urllib3's retries of a failed connection: none (its default, 3 without a pause, repeats a refusal and logs a
@@ -39,7 +43,7 @@ CONNECT_RETRIES = 0
 Object = dict[str, Any]
 
 
-class KubernetesApiError(GpujobsError):
+class KubernetesApiError(SchedulerError):
     """The Kubernetes API could not answer: the kubeconfig, the connection, or the API's refusal (one line)."""
 
 
@@ -68,7 +72,7 @@ def status_message(err: ApiException) -> str:
 
 
 class ClusterApi:
-    """A connection to the API server of the kubeconfig's current context, and the reads the preflight makes."""
+    """A connection to the API server of the kubeconfig's current context, and the calls gpujobs makes."""
 
     def __init__(self) -> None:
         configuration = client.Configuration()
@@ -108,20 +112,57 @@ class ClusterApi:
         answer = self._get("the nodes", "list nodes", self._core.list_node, label_selector=selector)
         return list((answer or {}).get("items") or [])
 
+    def create_jobset(self, body: Object) -> Object:
+        """Create the JobSet `body` (in its metadata's namespace); the object the API server stored (RBAC:
+        create jobsets). One that exists already (409) is refused as every other failure is."""
+        namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
+        created = self._call(f"JobSet {namespace}/{name}", f"create {JOBSETS}.{JOBSET_GROUP}", "create",
+                             self._custom.create_namespaced_custom_object,
+                             JOBSET_GROUP, JOBSET_VERSION, namespace, JOBSETS, body, absent_is_none=False)
+        assert created is not None  # absent_is_none=False: a 404 raised
+        return created
+
+    def jobset(self, namespace: str, name: str) -> Optional[Object]:
+        """The JobSet `namespace/name`, None if there is none (RBAC: get jobsets)."""
+        return self._get(f"JobSet {namespace}/{name}", f"get {JOBSETS}.{JOBSET_GROUP}",
+                         self._custom.get_namespaced_custom_object,
+                         JOBSET_GROUP, JOBSET_VERSION, namespace, JOBSETS, name)
+
+    def jobsets(self, namespace: str) -> list[Object]:
+        """Every JobSet of `namespace`, in one call (RBAC: list jobsets)."""
+        answer = self._get(f"the JobSets of namespace {namespace}", f"list {JOBSETS}.{JOBSET_GROUP}",
+                           self._custom.list_namespaced_custom_object,
+                           JOBSET_GROUP, JOBSET_VERSION, namespace, JOBSETS)
+        return list((answer or {}).get("items") or [])
+
+    def delete_jobset(self, namespace: str, name: str) -> bool:
+        """Delete the JobSet `namespace/name` and, in the background, its Jobs and pods (the pods get SIGTERM
+        and their grace period); False if there was none (RBAC: delete jobsets)."""
+        answer = self._call(f"JobSet {namespace}/{name}", f"delete {JOBSETS}.{JOBSET_GROUP}", "delete",
+                            self._custom.delete_namespaced_custom_object,
+                            JOBSET_GROUP, JOBSET_VERSION, namespace, JOBSETS, name,
+                            propagation_policy="Background")
+        return answer is not None
+
     def _get(self, what: str, rbac: str, read: Callable[..., Any], *args: Any, **kwargs: Any) -> Optional[Object]:
-        """`read(*args, **kwargs)`'s object as JSON; None for a 404; KubernetesApiError for any other failure
-        (naming `rbac`, the permission the read needs, when the API refused the user)."""
+        """`read(*args, **kwargs)`'s object as JSON; None for a 404 (see `_call`)."""
+        return self._call(what, rbac, "get", read, *args, **kwargs)
+
+    def _call(self, what: str, rbac: str, verb: str, call: Callable[..., Any], *args: Any,
+              absent_is_none: bool = True, **kwargs: Any) -> Optional[Object]:
+        """`call(*args, **kwargs)`'s answer as JSON; None for a 404 (`absent_is_none`); KubernetesApiError for
+        any other failure (naming `rbac`, the permission the call needs, when the API refused the user)."""
         try:
-            answer = read(*args, _preload_content=False, _request_timeout=TIMEOUT_S, **kwargs)
+            answer = call(*args, _preload_content=False, _request_timeout=TIMEOUT_S, **kwargs)
             body: Object = json.loads(answer.data)
         except ApiException as err:
-            if err.status == 404:
+            if err.status == 404 and absent_is_none:
                 return None
             needs = f" (it needs RBAC {rbac}: docs/guides/kubernetes.md)" if err.status in (401, 403) else ""
-            raise KubernetesApiError(f"{self.host} could not give {what}: {status_message(err)}{needs}") from None
+            raise KubernetesApiError(f"{self.host} could not {verb} {what}: {status_message(err)}{needs}") from None
         except (urllib3.exceptions.HTTPError, OSError) as err:
             reason = getattr(err, "reason", None) or err
-            raise KubernetesApiError(one_line(f"cannot reach the Kubernetes API at {self.host} to get {what}: "
+            raise KubernetesApiError(one_line(f"cannot reach the Kubernetes API at {self.host} to {verb} {what}: "
                                               f"{reason}")) from None
         except ValueError as err:  # a 200 whose body is no JSON: no API server answered
             raise KubernetesApiError(one_line(f"{self.host} answered no JSON object for {what}: {err}")) from None

@@ -193,4 +193,9 @@ def jobset(job: JobConfig, run_dir: Path) -> dict[str, Any]:
 
 def render_jobset(job: JobConfig, run_dir: Path) -> str:
     """The JobSet as YAML: what a dry run prints and `kubectl apply -f` takes."""
-    return yaml.safe_dump(jobset(job, run_dir), sort_keys=False, default_flow_style=False, width=120)
+    return to_yaml(jobset(job, run_dir))
+
+
+def to_yaml(body: dict[str, Any]) -> str:
+    """A manifest as the YAML gpujobs prints and keeps (`jobset.yaml`)."""
+    return yaml.safe_dump(body, sort_keys=False, default_flow_style=False, width=120)

@@ -33,6 +33,8 @@ class SlurmBackend(Scheduler):
     final_states = sacct.FINAL
     failed_states = sacct.FAILED
     cancelled_state = "CANCELLED"
+    job_word = "Slurm job"
+    queues_arrays = True
 
     def preflight(self, job: JobConfig, cache: Optional[PreflightCache] = None) -> None:
         preflight.preflight_slurm(job, cache)

@@ -13,14 +13,14 @@ from collections.abc import Mapping, Sequence
 from typing import Optional
 
 from gpujobs.backends.slurm.relay import ask, relay_for
-from gpujobs.base.errors import GpujobsError
+from gpujobs.base.errors import SchedulerError
 
 #: How long a Slurm command may take unless its caller says otherwise: slurmctld answers in well under
 #: a second when it is healthy; one that is busy or restarting takes seconds, not minutes.
 DEFAULT_TIMEOUT_S = 30.0
 
 
-class SlurmCommandError(GpujobsError):
+class SlurmCommandError(SchedulerError):
     """A Slurm command could not run, did not answer in time, or failed; the message is one line."""
 
     def __init__(self, command: Sequence[str], reason: str, returncode: Optional[int] = None) -> None:
