@@ -112,6 +112,12 @@ class JobSet:
         raise AssertionError(f"no step {step} within {timeout} s: {[pod.output() for pod in pods]}")
 
 
+def kept_output(jobset: JobSet, rank: int, stream: str = "out") -> str:
+    """Global rank `rank`'s stdout (`stream` "err": stderr) as the pods keep it in the run dir, where
+    `gpujobs logs RUN_DIR --rank N` reads it."""
+    return (jobset.run_dir / "submitit" / f"{jobset.name}_{rank}_log.{stream}").read_text()
+
+
 def child_of(pid: int, timeout: float = 20) -> int:
     """The first child of process `pid` (`unshare --fork`'s), once it has one."""
     children = Path(f"/proc/{pid}/task/{pid}/children")
@@ -199,9 +205,15 @@ def local_digest(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 def test_two_pods_train_to_the_local_digest(tmp_path: Path, local_digest: str,
                                             started: list[subprocess.Popen[str]]) -> None:
-    """2 pods x 2 gloo ranks, as rendered, train to the digest of a local 4-rank run; one `completed` line."""
+    """2 pods x 2 gloo ranks, as rendered, train to the digest of a local 4-rank run; one `completed` line.
+    Each rank's stdout and stderr are the pod's and, whole, its own log file's in the run dir; a symlink planted
+    in rank 3's stderr file's place is not followed: that file is given up, said once, and training goes on."""
     _can_emulate()
     jobset = JobSet(tmp_path)
+    (jobset.run_dir / "submitit").mkdir()  # the pods' folder, as the first pod would make it
+    planted = jobset.run_dir / "submitit" / f"{jobset.name}_3_log.err"
+    (tmp_path / "not-a-log").write_text("mine\n")
+    planted.symlink_to(tmp_path / "not-a-log")
     pods = jobset.start(started)
     codes = [pod.wait() for pod in pods]
     assert codes == [0, 0], [pod.output() for pod in pods]
@@ -209,6 +221,18 @@ def test_two_pods_train_to_the_local_digest(tmp_path: Path, local_digest: str,
     assert (result["world_size"], result["param_digest"]) == (NODES * PER_NODE, local_digest)
     assert [line["reason"] for line in jobset.attempts()] == ["completed"]
     assert f"rendezvous {jobset.name}-node-0-0.{jobset.name}:29500" in pods[0].output()
+
+    world = NODES * PER_NODE
+    for rank in range(world):  # submitit's first line names the rank; its last one ends the rank's output
+        kept, pod = kept_output(jobset, rank), pods[rank // PER_NODE].output()
+        assert [f"global_rank={other}({world})" in kept for other in range(world)] == [r == rank for r in range(world)]
+        assert kept.endswith("Exiting after successful completion\n"), kept
+        assert f"global_rank={rank}({world})" in pod and f"[rank {rank}] rank {rank}/{world} on" in pod, pod
+        if rank != 3:
+            assert f"[rank {rank}] rank {rank}/{world} on" in kept_output(jobset, rank, "err")
+    assert planted.is_symlink() and (tmp_path / "not-a-log").read_text() == "mine\n"
+    gave_up = [line for line in pods[1].output().splitlines() if "could not be written" in line]
+    assert len(gave_up) == 1 and str(planted) in gave_up[0], pods[1].output()
 
 
 def test_sigterm_to_every_pod_checkpoints_and_the_rerun_resumes(tmp_path: Path, local_digest: str,
@@ -235,6 +259,12 @@ def test_sigterm_to_every_pod_checkpoints_and_the_rerun_resumes(tmp_path: Path, 
     result = read_result(jobset.run_dir)
     assert (result["resumed_from"], result["param_digest"]) == (str(saved), local_digest)
     assert [line["reason"] for line in jobset.attempts()] == ["preempted", "completed"]
+    for rank in range(NODES * PER_NODE):  # the restart's output follows the first attempt's in the rank's files
+        kept = kept_output(jobset, rank)
+        first, second = (kept.find(f"job_id={jobset.name}-{restart},") for restart in (0, 1))
+        assert 0 <= first < second and kept.endswith("Exiting after successful completion\n"), kept
+        err = kept_output(jobset, rank, "err").split(f"[rank {rank}] rank {rank}/{NODES * PER_NODE} on")
+        assert len(err) == 3 and "resumed from" in err[2] and "resumed from" not in err[1], err
 
     # `gpujobs status` reads the pods' run dir from the same records as a Slurm job's (no API asked)
     status = subprocess.run([sys.executable, "-m", "gpujobs", "status", str(jobset.run_dir)], capture_output=True,
@@ -257,6 +287,42 @@ def test_a_rank_killed_in_one_pod_fails_the_attempt_once(tmp_path: Path,
     (failed,) = jobset.attempts()
     assert (failed["reason"], failed["world_size"]) == ("failed", NODES * PER_NODE), failed
     assert not (jobset.run_dir / "result.json").exists()
+
+
+#: A pod's supervisor in small: one "rank" printing LINES lines through `RankOutput` into the folder argv[1].
+SUPERVISOR = """
+import subprocess, sys
+from pathlib import Path
+from gpujobs.attempt.rank_output import RankOutput
+output = RankOutput(Path(sys.argv[1]), "js")
+with output.pipes(0) as (out, err):
+    rank = subprocess.Popen([sys.executable, "-c", "for i in range(LINES): print(f'line {i:05d}', 'x' * 40)"],
+                            stdout=out, stderr=err)
+code = rank.wait()
+output.join(60)
+sys.exit(code)
+"""
+
+
+def test_a_full_disk_costs_the_log_file_not_the_rank(tmp_path: Path) -> None:
+    """A rank's log file on a full disk (a 64 KiB tmpfs, in a mount namespace of its own): the rank runs to
+    its end, the pod's stdout gets every line, the file keeps what fitted, and one line says it was given up."""
+    _can_emulate()
+    lines = 4000  # 200 KB
+    folder, kept = tmp_path / "folder", tmp_path / "kept"
+    folder.mkdir()
+    # the tmpfs on `folder` lives as long as the namespace: what fitted in the file is copied out before it goes
+    mount = ('mount -t tmpfs -o size=64k,mode=0755 none "$1" && "$2" -c "$3" "$1"; code=$?; '
+             'cp "$1/js_0_log.out" "$4"; exit $code')
+    proc = subprocess.run(["unshare", "--mount", "sh", "-c", mount, "sh", str(folder), sys.executable,
+                           SUPERVISOR.replace("LINES", str(lines)), str(kept)],
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    expected = "".join(f"line {i:05d} {'x' * 40}\n" for i in range(lines))
+    assert proc.stdout == expected
+    assert 0 < len(kept.read_text()) < len(expected) and expected.startswith(kept.read_text())
+    (said,) = proc.stderr.splitlines()
+    assert "js_0_log.out could not be written (No space left on device)" in said, proc.stderr
 
 
 @pytest.mark.parametrize(("drop", "set_", "said"), [

@@ -10,7 +10,10 @@ It then starts the node's ranks, each under submitit's job-side runner with the 
 runs (`RankProgram(FROM_RUN_DIR)`, built from the run dir's config.yaml in the rank), with submitit's local
 environment and torchrun's variables saying where it stands: global rank = index * ranks a node + local
 rank, world = nodes * ranks a node. Each rank sees the pod's GPUs and takes the one of its local rank
-(`gpujobs.rank.distributed.gpu_index_for`), as a local job's ranks do. Their output is the pod's.
+(`gpujobs.rank.distributed.gpu_index_for`), as a local job's ranks do. Their output goes to the pod's own
+(`kubectl logs`) and, appended, to `<folder>/<jobset>_<global rank>_log.out|.err`, where `gpujobs logs
+RUN_DIR --rank N` finds it once the pod is gone (`gpujobs.attempt.rank_output`: a log file that cannot be
+written costs the file, never the rank).
 
 SIGTERM (a Kubernetes eviction, a Kueue preemption; only the container's first process gets it) takes the
 path USR2 takes on Slurm: every rank gets USR2 (once it catches it), they agree on a stop, save one
@@ -49,6 +52,7 @@ from gpujobs.attempt.judge import AttemptEnd, judge, record_verdict
 from gpujobs.attempt.local import parent_if_catching
 from gpujobs.attempt.preemption import EXIT_REQUEUED
 from gpujobs.attempt.program import FROM_RUN_DIR, RankProgram
+from gpujobs.attempt.rank_output import RankOutput
 from gpujobs.backends.kubernetes import LEASE_HOLDER
 from gpujobs.backends.kubernetes import jobset as js
 from gpujobs.base.errors import ConfigError, GpujobsError
@@ -69,6 +73,9 @@ _POLL_S = 0.2
 #: How long the node's other ranks may go on after one failed, before they are killed: their peers' errors
 #: reach them through the collectives within this, and each leaves how it ended.
 _FAIL_GRACE_S = 30.0
+#: How long the copies of the ranks' output may take to reach their end once the ranks exited (a process
+#: the ranks left behind may hold it open: the pod does not wait for that one).
+_OUTPUT_TAIL_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -93,9 +100,13 @@ class PodPlace:
         """This attempt's submitit job id, the same in every pod of it: the JobSet and its restart."""
         return f"{self.jobset}-{self.restart}"
 
+    def global_rank(self, local: int) -> int:
+        """Local rank `local`'s rank in the job."""
+        return self.index * self.per_node + local
+
     def rank_env(self, local: int) -> dict[str, str]:
         """Local rank `local`'s place, for submitit's local environment and torchrun's variables."""
-        rank = self.index * self.per_node + local
+        rank = self.global_rank(local)
         return {
             "SUBMITIT_EXECUTOR": "local", "SUBMITIT_LOCAL_JOB_ID": self.attempt_id,
             "SUBMITIT_LOCAL_NTASKS": str(self.world), "SUBMITIT_LOCAL_JOB_NUM_NODES": str(self.nodes),
@@ -201,11 +212,14 @@ def write_payload(folder: Path, job: JobConfig, train_dir: Path, place: PodPlace
     os.replace(tmp, pickle)
 
 
-def start_ranks(folder: Path, place: PodPlace) -> list[subprocess.Popen[bytes]]:
-    """The node's ranks, each under submitit's job-side runner; their output is the pod's."""
-    return [subprocess.Popen([sys.executable, *RUNNER, str(folder)],
-                             env={**os.environ, "SUBMITIT_FOLDER": str(folder), **place.rank_env(local)})
-            for local in range(place.per_node)]
+def start_ranks(folder: Path, place: PodPlace, output: RankOutput) -> list[subprocess.Popen[bytes]]:
+    """The node's ranks, each under submitit's job-side runner; their output goes through `output`."""
+    ranks = []
+    for local in range(place.per_node):
+        with output.pipes(place.global_rank(local)) as (stdout, stderr):
+            ranks.append(subprocess.Popen([sys.executable, *RUNNER, str(folder)], stdout=stdout, stderr=stderr,
+                                          env={**os.environ, "SUBMITIT_FOLDER": str(folder), **place.rank_env(local)}))
+    return ranks
 
 
 def wait_ranks(ranks: list[subprocess.Popen[bytes]], stop: StopSignals) -> list[int]:
@@ -231,7 +245,7 @@ def describe(codes: list[int], place: PodPlace) -> str:
     for local, code in enumerate(codes):
         if code != 0:
             how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-            said.append(f"rank {place.index * place.per_node + local}: {how}")
+            said.append(f"rank {place.global_rank(local)}: {how}")
     return ", ".join(said) or "every rank of node 0 exited 0"
 
 
@@ -296,7 +310,9 @@ def supervise(attempt: Attempt, stop: StopSignals) -> int:
           f"{place.index * place.per_node}-{(place.index + 1) * place.per_node - 1} of {place.world}, "
           f"rendezvous {place.master_addr}:{place.master_port}, run dir {attempt.train_dir}", flush=True)
     started = time.time()
-    codes = wait_ranks(start_ranks(attempt.folder, place), stop)
+    output = RankOutput(attempt.folder, place.jobset)
+    codes = wait_ranks(start_ranks(attempt.folder, place, output), stop)
+    output.join(_OUTPUT_TAIL_S)  # the ranks' last lines are in their files before the attempt is judged
     if place.index != 0:
         return pod_exit(codes)
     withdraw_left_target(attempt.train_dir)  # the ranks are gone: a target rank 0 could not withdraw goes too
