@@ -214,6 +214,9 @@ def test_two_pods_train_to_the_local_digest(tmp_path: Path, local_digest: str,
     planted = jobset.run_dir / "submitit" / f"{jobset.name}_3_log.err"
     (tmp_path / "not-a-log").write_text("mine\n")
     planted.symlink_to(tmp_path / "not-a-log")
+    # the lease as a submit hands it to the JobSet it created (`NAMESPACE/NAME`): its pods are that holder
+    handed = f"{jobset.manifest['metadata']['namespace']}/{jobset.name}"
+    lease.acquire(jobset.run_dir, lease.Lease("kubernetes", "submit-host", 1, handed, time.time()))
     pods = jobset.start(started)
     codes = [pod.wait() for pod in pods]
     assert codes == [0, 0], [pod.output() for pod in pods]
@@ -344,11 +347,11 @@ def test_bad_pod_environment_exits_2(tmp_path: Path, drop: tuple[str, ...], set_
 def test_run_dir_held_by_another_jobset_stands_down(tmp_path: Path) -> None:
     """A second JobSet on a run dir that another one holds leaves it alone: one line, exit 2, no rank started."""
     jobset = JobSet(tmp_path)
-    other = lease.Lease("kubernetes", "elsewhere", 1, "rec-00000000", time.time())
+    other = lease.Lease("kubernetes", "elsewhere", 1, "default/rec-00000000", time.time())
     lease.acquire(jobset.run_dir, other)
     proc = subprocess.run(jobset.container["command"], cwd=jobset.container["workingDir"], env=jobset.pod_env(1, 0),
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == EXIT_BAD_INPUT, proc.stdout + proc.stderr
-    assert "in use by JobSet rec-00000000" in proc.stderr and "stands down" in proc.stderr, proc.stderr
+    assert "in use by JobSet default/rec-00000000" in proc.stderr and "stands down" in proc.stderr, proc.stderr
     assert lease.read(jobset.run_dir) == other
     assert not list((jobset.run_dir / "submitit").glob("*"))

@@ -55,6 +55,7 @@ from gpujobs.attempt.program import FROM_RUN_DIR, RankProgram
 from gpujobs.attempt.rank_output import RankOutput
 from gpujobs.backends.kubernetes import LEASE_HOLDER
 from gpujobs.backends.kubernetes import jobset as js
+from gpujobs.backends.kubernetes.jobs import job_id_of
 from gpujobs.base.errors import ConfigError, GpujobsError
 from gpujobs.config.load import JobConfig
 from gpujobs.rundir import lease
@@ -187,9 +188,10 @@ class StopSignals:
                 self._told.add(proc.pid)
 
 
-def take_run_dir(train_dir: Path, place: PodPlace) -> None:
-    """Take the run dir's lease for the JobSet, or exit 2 when another live job holds it."""
-    me = dataclasses.replace(lease.here(place.jobset), holder=LEASE_HOLDER)
+def take_run_dir(train_dir: Path, place: PodPlace, namespace: str) -> None:
+    """Take the run dir's lease for the JobSet (`NAMESPACE/NAME`, as the submit handed it over), or exit 2
+    when another live job holds it."""
+    me = dataclasses.replace(lease.here(job_id_of(namespace, place.jobset)), holder=LEASE_HOLDER)
     try:
         lease.acquire(train_dir, me, wait_s=0)
     except lease.LeaseHeld as err:
@@ -295,7 +297,7 @@ def prepare(folder: Path, run_dir: Path, place: PodPlace) -> Attempt:
     job = read_config(run_dir)
     check_shape(job, place)
     train_dir = task.training_dir(run_dir, place.jobset)
-    take_run_dir(train_dir, place)
+    take_run_dir(train_dir, place, job.cluster.namespace)
     os.environ["SUBMITIT_LOCAL_JOB_ID"] = place.attempt_id  # `instance()`: the attempt's files are this one's
     write_payload(folder, job, train_dir, place)
     return Attempt(job, folder, train_dir, place, len(AttemptLog(train_dir).read()))

@@ -25,16 +25,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Optional
 
+from gpujobs.backends.kubernetes.jobs import rank_log_path
 from gpujobs.rundir.trust import open_own
 
 #: Bytes read from a rank's pipe at once (a pipe's default capacity).
 _CHUNK = 65536
-
-
-def rank_log_path(folder: Path, jobset: str, rank: int, *, err: bool = False) -> Path:
-    """Where global rank `rank` of JobSet `jobset` keeps its stdout (stderr: `err`) under the pods' `folder`:
-    the name a Slurm job's logs have, with the JobSet's name for the job id."""
-    return folder / f"{jobset}_{rank}_log.{'err' if err else 'out'}"
 
 
 def _write_all(fd: int, data: bytes) -> None:

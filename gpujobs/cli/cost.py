@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from gpujobs.backends import slurm_backend
+from gpujobs.backends import Scheduler, backend_named
 from gpujobs.backends.base import Allocation
 from gpujobs.launch.manage import PointState
 from gpujobs.rundir import ATTEMPTS_FILE
@@ -126,12 +126,12 @@ class PointCost:
         return units.pop() if len(units) == 1 else ("mixed" if units else None)
 
 
-def slurm_jobs(run_dir: Path) -> list[str]:
-    """Every Slurm job queued for `run_dir` (resubmissions too), oldest first."""
-    ids: list[str] = []
+def queued_jobs(run_dir: Path) -> dict[str, str]:
+    """Every job queued for `run_dir` (resubmissions too), oldest first: id -> the scheduler that knows it."""
+    ids: dict[str, str] = {}
     for line in read_submissions(run_dir):
-        if line.logs is not None and line.cluster == "slurm" and line.job_id not in ids:
-            ids.append(line.job_id)
+        if line.logs is not None:
+            ids.setdefault(line.job_id, line.cluster)
     return ids
 
 
@@ -140,7 +140,15 @@ def cost_of(points: list[PointState], timeout_s: float = 10.0) -> list[PointCost
 
     Raises SlurmCommandError when a point has Slurm jobs and sacct cannot be asked.
     """
-    held = slurm_backend().allocations([job_id for p in points for job_id in slurm_jobs(p.run_dir)], timeout_s)
+    by_scheduler: dict[str, list[str]] = {}
+    for point in points:
+        for job_id, cluster in queued_jobs(point.run_dir).items():
+            by_scheduler.setdefault(cluster, []).append(job_id)
+    held: dict[str, list[Allocation]] = {}
+    for cluster, job_ids in sorted(by_scheduler.items()):  # a JobSet's scheduler keeps no accounting: none
+        scheduler = backend_named(cluster)
+        assert isinstance(scheduler, Scheduler), cluster  # read_submissions keeps schedulers' ids only
+        held.update(scheduler.allocations(job_ids, timeout_s))
     return [_point_cost(point, held) for point in points]
 
 
@@ -153,9 +161,11 @@ def _point_cost(point: PointState, held: dict[str, list[Allocation]]) -> PointCo
                      "missing or of the wrong type): not counted")
     matched: set[int] = set()
     segments = []
-    for job_id in slurm_jobs(point.run_dir):
+    for job_id, cluster in queued_jobs(point.run_dir).items():
         if not held.get(job_id):
-            notes.append(f"sacct has no allocation of job {job_id} (pending, or never started)")
+            word = getattr(backend_named(cluster), "job_word", "job")
+            notes.append(f"{word} {job_id} has no allocation on record (pending, never started, or its scheduler "
+                         "keeps no accounting: Kubernetes)")
         for alloc in held.get(job_id, []):
             attempt = _attempt_of(attempts, matched, alloc)
             segments.append(Segment("sacct", job_id, alloc.start, alloc.end, alloc.elapsed_s, alloc.unit, alloc.units,

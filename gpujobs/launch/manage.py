@@ -238,8 +238,14 @@ def resubmit(sweep_dir: Path, points: list[PointState], *, cancelled: bool = Fal
     plan = SweepPlan(sweep_dir.absolute(), single=bool(chosen) and chosen[0].num is None)
     for p in chosen:
         plan.add(read_config(p.run_dir), p.run_dir, p.num or 0, p.overrides)
-    if chosen and chosen[0].num is None and backend_for(plan.points[0].job).queues:  # one job again, as it was
-        return [_submit_one(plan.points[0])]
+    if chosen and chosen[0].num is None:  # a single run dir: one job again, as it was
+        (point,) = plan.points
+        if backend_for(point.job).queues:
+            return [_submit_one(point)]
+        from gpujobs.launch import start
+        from gpujobs.launch.sweep import Outcome
+
+        return [Outcome(point, start(point.job, point.run_dir))]
     arrays = [point for point in plan.points if backend_for(point.job).queues_arrays]
     each = [point for point in plan.points if backend_for(point.job).queues and point not in arrays]
     here = [point for point in plan.points if not backend_for(point.job).queues]

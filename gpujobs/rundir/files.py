@@ -121,7 +121,8 @@ class Submission:
     submitted: Optional[float] = None
     cancelled: Optional[float] = None
     cluster: str = "slurm"
-    """The scheduler that knows `job_id` (the file is named for the first: a line without it is Slurm's)."""
+    """The scheduler that knows `job_id` (the file is named for the first: a line without it, of an older
+    gpujobs, is Slurm's)."""
 
 
 #: The job ids of each scheduler as gpujobs records them. Slurm: `JOBID`, or `ARRAYID_TASK` for a task of a
@@ -136,15 +137,14 @@ def record_submission(run_dir: Path, job_id: str, log_folder: Path, *, cluster: 
     Not fsynced: a sweep records hundreds at once, after the files the jobs need are durable; a line
     lost to a crash leaves a job that status cannot name, never a run dir that cannot run.
     """
-    line = {"job_id": job_id, "logs": str(log_folder), "submitted": round(time.time(), 3)}
-    append_jsonl(run_dir / SUBMISSIONS_FILE, line if cluster == "slurm" else {**line, "cluster": cluster})
+    append_jsonl(run_dir / SUBMISSIONS_FILE, {"job_id": job_id, "logs": str(log_folder),
+                                              "submitted": round(time.time(), 3), "cluster": cluster})
 
 
 def record_cancel(run_dir: Path, job_id: str, *, cluster: str = "slurm") -> None:
     """Note that `gpujobs cancel` cancelled `job_id`: Slurm keeps no record of an array task cancelled
     while it was pending, and a cancelled JobSet is deleted, so without this note its state would be unknown."""
-    line = {"job_id": job_id, "cancelled": round(time.time(), 3)}
-    append_jsonl(run_dir / SUBMISSIONS_FILE, line if cluster == "slurm" else {**line, "cluster": cluster})
+    append_jsonl(run_dir / SUBMISSIONS_FILE, {"job_id": job_id, "cancelled": round(time.time(), 3), "cluster": cluster})
 
 
 def read_submissions(run_dir: Path) -> list[Submission]:

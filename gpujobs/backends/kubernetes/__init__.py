@@ -84,7 +84,7 @@ class KubernetesBackend(Scheduler):
         return why == jobs.GONE
 
     def log_path(self, logs: Path, job_id: str, rank: int, *, err: bool = False) -> Path:
-        return logs / f"{jobs.split_id(job_id)[1]}_{rank}_log.{'err' if err else 'out'}"  # the pods write them
+        return jobs.rank_log_path(logs, jobs.split_id(job_id)[1], rank, err=err)
 
     def liveness(self, job_id: str) -> tuple[bool, str]:
         return jobs.liveness(job_id)

@@ -56,6 +56,13 @@ def split_id(job_id: str) -> tuple[str, str]:
     return namespace, name
 
 
+def rank_log_path(folder: Path, name: str, rank: int, *, err: bool = False) -> Path:
+    """Where global rank `rank` of JobSet `name` keeps its stdout (stderr: `err`) under the pods' `folder`
+    (`--folder`): the name a Slurm job's logs have, with the JobSet's name for the job id. The pods write
+    them (`gpujobs.attempt.rank_output`), `gpujobs logs` reads them."""
+    return folder / f"{name}_{rank}_log.{'err' if err else 'out'}"
+
+
 @contextlib.contextmanager
 def connected() -> Iterator[ClusterApi]:
     """A connection to the kubeconfig's cluster, closed after use (KubernetesApiError when there is none)."""
