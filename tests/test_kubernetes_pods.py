@@ -276,19 +276,40 @@ def test_sigterm_to_every_pod_checkpoints_and_the_rerun_resumes(tmp_path: Path, 
     assert "completed (files)" in status.stdout and "2 (completed) world 4→4" in status.stdout, status.stdout
 
 
+def test_the_time_limit_stops_the_pods_and_a_spent_budget_fails_the_jobset(
+        tmp_path: Path, started: list[subprocess.Popen[str]]) -> None:
+    """`cluster.time` holds in pods as on Slurm: `signal_lead_s` before it, the supervisors stop the ranks (an
+    agreed checkpoint) and rank 0 records `timeout`; with `cluster.max_timeouts=0` that budget is spent, so
+    both pods exit 2 (the JobSet fails at once, whichever pod its controller reads first), not 75 (a restart)."""
+    _can_emulate()
+    jobset = JobSet(tmp_path, "cluster.time=00:01:00", "cluster.signal_lead_s=25", "cluster.max_timeouts=0",
+                    "trainer.max_steps=5000")
+    pods = jobset.start(started)
+    codes = [pod.wait() for pod in pods]
+    assert codes == [EXIT_BAD_INPUT, EXIT_BAD_INPUT], [pod.output() for pod in pods]
+    (line,) = jobset.attempts()
+    assert (line["reason"], line["requeue"], line["world_size"]) == ("timeout", False, 4), line
+    assert "timeout budget exhausted" in line["why"], line
+    assert line["end"] - line["start"] < 60, line  # stopped before the limit
+    assert Path(line["saved"]).is_dir() and line["steps_done"] < 5000, line  # the agreed checkpoint
+    for pod in pods:
+        assert "reached its time limit" in pod.output() and "timeout budget exhausted" in pod.output(), pod.output()
+
+
 def test_a_rank_killed_in_one_pod_fails_the_attempt_once(tmp_path: Path,
                                                          started: list[subprocess.Popen[str]]) -> None:
-    """A rank of pod 1 killed mid-run (the OOM killer): the attempt is recorded `failed` once, and every pod
-    exits with a code that the JobSet counts as a failure (neither 0 nor 2)."""
+    """A rank of pod 1 killed mid-run (the OOM killer): the attempt is recorded `failed` once, and, with the
+    failure budget not spent (`cluster.max_restarts=2`), every pod exits with a code that the JobSet counts
+    as a failure and restarts for (neither 0 nor 2)."""
     _can_emulate()
-    jobset = JobSet(tmp_path)
+    jobset = JobSet(tmp_path, "cluster.max_restarts=2")
     pods = jobset.start(started)
     jobset.wait_for_step(SIGNAL_AFTER, pods)
     os.kill(child_of(pods[1].first_process()), signal.SIGKILL)  # pod 1's first rank: global rank 2
     codes = [pod.wait(timeout=120) for pod in pods]
     assert all(code not in (0, EXIT_BAD_INPUT) for code in codes), (codes, [pod.output() for pod in pods])
     (failed,) = jobset.attempts()
-    assert (failed["reason"], failed["world_size"]) == ("failed", NODES * PER_NODE), failed
+    assert (failed["reason"], failed["world_size"], failed["requeue"]) == ("failed", NODES * PER_NODE, True), failed
     assert not (jobset.run_dir / "result.json").exists()
 
 

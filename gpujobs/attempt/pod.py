@@ -25,7 +25,11 @@ It holds the run dir's lease for the JobSet (every pod and restart of one JobSet
 that another JobSet or a local job holds is left alone, exit 2. Exit codes: 0 the ranks completed;
 `EXIT_REQUEUED` (75) the ranks stopped to go again; 2 refused input or a busy run dir; 1 anything else
 (the JobSet restarts for anything but 2, counted against `maxRestarts` unless the pod was evicted).
-No hang watchdog runs here yet (the local launcher's and the Slurm supervisor's do).
+The attempt's time limit is `cluster.time`: `cluster.signal_lead_s` before it, the supervisor stops the ranks
+as SIGTERM does, and they record `timeout`. Where the ledger says no attempt may follow (the budget of its
+reason spent: `cluster.max_preemptions`, `max_timeouts`, `max_restarts`), every pod that knows it exits 2,
+so the JobSet fails at once instead of restarting. No hang watchdog runs here yet (the local launcher's and
+the Slurm supervisor's do).
 """
 
 from __future__ import annotations
@@ -77,6 +81,8 @@ _FAIL_GRACE_S = 30.0
 #: How long the copies of the ranks' output may take to reach their end once the ranks exited (a process
 #: the ranks left behind may hold it open: the pod does not wait for that one).
 _OUTPUT_TAIL_S = 10.0
+#: How long a pod but pod 0 waits for the ended attempt's ledger line (it says whether another may follow).
+_VERDICT_WAIT_S = 15.0
 
 
 @dataclass(frozen=True)
@@ -158,10 +164,13 @@ def check_shape(job: JobConfig, place: PodPlace) -> None:
 
 
 class StopSignals:
-    """SIGTERM (and USR2) to the supervisor: only a flag, which `forward` passes to the ranks as USR2."""
+    """SIGTERM (and USR2) to the supervisor: only a flag, which `forward` passes to the ranks as USR2; and the
+    attempt's time limit (`limit_at`), which asks the same stop `cluster.signal_lead_s` before `cluster.time`
+    is up, as Slurm's `--signal` does (the ranks then record `timeout`: `preemption.classify_stop`)."""
 
     def __init__(self) -> None:
         self.asked = False
+        self.limit_at: Optional[float] = None
         self._told: set[int] = set()
 
     def install(self) -> StopSignals:
@@ -177,6 +186,10 @@ class StopSignals:
 
     def forward(self, ranks: list[subprocess.Popen[bytes]]) -> None:
         """USR2 once to each live rank that catches it (one still starting would die of it: a later poll)."""
+        if not self.asked and self.limit_at is not None and time.time() >= self.limit_at:
+            print("gpujobs: the attempt reached its time limit (cluster.time less cluster.signal_lead_s): its ranks "
+                  "stop at the next step, after an agreed checkpoint", file=sys.stderr, flush=True)
+            self.asked = True
         if not self.asked:
             return
         for proc in ranks:
@@ -275,7 +288,28 @@ def record_node0(job: JobConfig, ledger: AttemptLog, before: int, started: float
     if verdict.reason == "completed":
         return 0
     print(f"gpujobs: attempt ended: {verdict.reason} ({decision.why})", file=sys.stderr, flush=True)
+    if not decision.requeue:  # the ledger's budget for it is spent: the JobSet fails now, not after maxRestarts
+        return EXIT_BAD_INPUT
     return EXIT_REQUEUED if verdict.reason in ("preempted", "timeout") else pod_exit(codes) or 1
+
+
+def other_pod_exit(ledger: AttemptLog, before: int, codes: list[int]) -> int:
+    """A pod but pod 0's exit code: its ranks', or `EXIT_BAD_INPUT` where the attempt's ledger line says no
+    attempt may follow: the JobSet must fail, not restart, whichever pod's failure its controller reads first.
+    The line is rank 0's or pod 0's supervisor's, written about when this pod's ranks end: it is waited for
+    up to `_VERDICT_WAIT_S` (a line that comes later leaves pod 0 alone to fail the JobSet)."""
+    code = pod_exit(codes)
+    if code == 0:
+        return 0
+    deadline = time.monotonic() + _VERDICT_WAIT_S
+    history = ledger.read()
+    while len(history) <= before and time.monotonic() < deadline:
+        time.sleep(_POLL_S)
+        history = ledger.read()
+    if len(history) > before and history[-1].reason != "completed" and not history[-1].requeue:
+        print(f"gpujobs: attempt ended: {history[-1].reason} ({history[-1].why})", file=sys.stderr, flush=True)
+        return EXIT_BAD_INPUT
+    return code
 
 
 @dataclass(frozen=True)
@@ -312,11 +346,12 @@ def supervise(attempt: Attempt, stop: StopSignals) -> int:
           f"{place.index * place.per_node}-{(place.index + 1) * place.per_node - 1} of {place.world}, "
           f"rendezvous {place.master_addr}:{place.master_port}, run dir {attempt.train_dir}", flush=True)
     started = time.time()
+    stop.limit_at = started + attempt.job.cluster.timeout_min * 60 - attempt.job.cluster.signal_lead_s
     output = RankOutput(attempt.folder, place.jobset)
     codes = wait_ranks(start_ranks(attempt.folder, place, output), stop)
     output.join(_OUTPUT_TAIL_S)  # the ranks' last lines are in their files before the attempt is judged
     if place.index != 0:
-        return pod_exit(codes)
+        return other_pod_exit(AttemptLog(attempt.train_dir), attempt.before, codes)
     withdraw_left_target(attempt.train_dir)  # the ranks are gone: a target rank 0 could not withdraw goes too
     return record_node0(attempt.job, AttemptLog(attempt.train_dir), attempt.before, started, codes, place)
 
