@@ -10,6 +10,7 @@ Job controller's own message format (`pkg/controller/job/pod_failure_policy.go`)
 from __future__ import annotations
 
 import copy
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,8 @@ from conftest import assert_golden, compose_job, submit
 from gpujobs.backends import backend_named
 from gpujobs.backends.kubernetes import jobset as js
 from gpujobs.config import kube_names as kube
+from gpujobs.rank.metrics import MetricsLog
+from gpujobs.rundir.records import CheckpointRecord, TrainRecord
 
 CRD = Path(__file__).parent / "data" / "k8s" / "jobset-v0.12.0.jobsets.crd.yaml"
 K8S_VERSION = "1.37.0"  # the newest schemas kubernetes-validate 1.37.0 ships
@@ -90,6 +93,30 @@ def test_the_jobset_validates_against_the_crd_and_kubernetes_schemas_and_matches
     assert yaml.safe_load(text) == manifest
     validate(manifest)
     assert_golden(text, f"kubernetes_{shape}.yaml")
+
+
+def test_the_grace_period_covers_the_stop_the_run_dir_measured(tmp_path: Path) -> None:
+    """SIGTERM to SIGKILL: `cluster.signal_lead_s` on a new run dir; where earlier attempts measured a stop that
+    takes longer (the vote's wait of 10 + 1 steps of the slowest rank's median 2 s step, a 150 s save: 172 s),
+    1.5 times that plus 10 s. An asynchronous save's blocking time is not its write: it does not count."""
+    job = compose_job(*KUBE, f"cluster.volume.mount_path={tmp_path}", "trainer.stop_check_every=10")
+    run_dir = tmp_path / "rec"
+    run_dir.mkdir()
+    metrics = MetricsLog(run_dir / "metrics.jsonl")
+    for step in (10, 20, 30):
+        metrics.write(TrainRecord(step=step, loss=0.5, samples_per_s=1.0, step_time_s=[1.0, 2.0]))
+    metrics.write(TrainRecord(step=40, loss=0.5, samples_per_s=1.0, step_time_s=[1.0, 9.0]))  # not the median
+    metrics.write(CheckpointRecord(step=20, blocking_s=90.0))
+    metrics.write(CheckpointRecord(step=30, blocking_s=150.0))
+    metrics.write(CheckpointRecord(step=40, blocking_s=400.0, background=True))
+    metrics.close()
+
+    def grace(run: Path) -> int:
+        pod = js.jobset(job, run)["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+        return int(pod["terminationGracePeriodSeconds"])
+
+    assert grace(tmp_path / "new") == job.cluster.signal_lead_s == 120
+    assert grace(run_dir) == math.ceil(1.5 * (11 * 2.0 + 150.0)) + 10 == 268
 
 
 def test_the_jobset_says_what_the_config_asks() -> None:

@@ -1,4 +1,5 @@
-"""Render, then send: the one JobSet (`jobset.x-k8s.io/v1alpha2`) of a `cluster=kubernetes` job (pure functions).
+"""Render, then send: the one JobSet (`jobset.x-k8s.io/v1alpha2`) of a `cluster=kubernetes` job (pure functions,
+but for the run dir's metrics, read for how long a stop took there: `grace_period_s`).
 
 One replicated job, `node`: an Indexed Job of `resources.nodes` pods (parallelism = completions), one pod a
 node, each running the per-node launcher (`POD_COMMAND`), which starts one rank per GPU (or
@@ -20,6 +21,7 @@ preemption suspends the JobSet instead (its pods get SIGTERM and `terminationGra
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -30,6 +32,7 @@ from gpujobs.backends.container_words import CONTAINER_PYTHON
 from gpujobs.base.nvml import CUDA_ORDER_ENV
 from gpujobs.config.kube_names import quantity
 from gpujobs.config.load import JobConfig
+from gpujobs.rundir.records import CheckpointRecord, TrainRecord, read_metrics
 
 API_VERSION = "jobset.x-k8s.io/v1alpha2"
 #: The one replicated job, and the pods' one container (the pod failure policy names it).
@@ -108,6 +111,21 @@ def container_resources(job: JobConfig) -> dict[str, Any]:
     return {"requests": requests, **({"limits": limits} if limits else {})}
 
 
+def grace_period_s(job: JobConfig, run_dir: Path) -> int:
+    """`terminationGracePeriodSeconds`, the time from SIGTERM to SIGKILL: `cluster.signal_lead_s`, or more where
+    the run dir's metrics (of its earlier attempts) measured that a stop takes longer. A stop waits for the
+    ranks' next vote (`trainer.stop_check_every` steps, read a step later) of the median slowest-rank step,
+    then saves a checkpoint (the longest synchronous save measured; an asynchronous one's blocking time says
+    nothing of its write): 1.5 times that, plus 10 s to exit."""
+    records = read_metrics(run_dir)
+    saves = [r.blocking_s for r in records if isinstance(r, CheckpointRecord) and not r.background]
+    steps = sorted(max(r.step_time_s) for r in records if isinstance(r, TrainRecord) and r.step_time_s)
+    if not saves or not steps:
+        return job.cluster.signal_lead_s
+    stop_s = (job.trainer.stop_check_every + 1) * steps[len(steps) // 2] + max(saves)
+    return max(job.cluster.signal_lead_s, math.ceil(1.5 * stop_s) + 10)
+
+
 def pod_spec(job: JobConfig, run_dir: Path, name: str) -> dict[str, Any]:
     """The pod template's spec: one container, the run dir's volume, /dev/shm in memory, placement."""
     cluster, volume = job.cluster, job.cluster.volume
@@ -123,7 +141,7 @@ def pod_spec(job: JobConfig, run_dir: Path, name: str) -> dict[str, Any]:
     }
     spec: dict[str, Any] = {
         "restartPolicy": "Never",  # the Job's pod failure policy needs it; JobSet restarts the whole set
-        "terminationGracePeriodSeconds": cluster.signal_lead_s,
+        "terminationGracePeriodSeconds": grace_period_s(job, run_dir),
     }
     if cluster.priority_class is not None:
         spec["priorityClassName"] = cluster.priority_class
