@@ -144,6 +144,8 @@ def test_a_stopped_rank_answers_before_a_running_rank_is_asked(tmp_path: Path,
         beats = {rank: Beat(rank=rank, pid=proc.pid, node="n", host=socket.gethostname(), instance="i",
                             started=0.0, main_thread=int(proc.stdout.readline())) for rank, proc in enumerate(ranks)}
         os.kill(ranks[1].pid, signal.SIGSTOP)
+        while not stopped(ranks[1].pid):  # the stop takes effect once the rank is scheduled (a busy machine)
+            time.sleep(0.01)
         out = tmp_path / "evidence"
         out.mkdir()
         how = take_stacks(run_dir, out, beats)

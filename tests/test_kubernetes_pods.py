@@ -30,6 +30,7 @@ import pytest
 import yaml
 from conftest import REPO, compose_job, missing, read_result, submit
 
+from gpujobs.base.process import alive
 from gpujobs.rundir import lease
 from gpujobs.rundir.files import write_config
 
@@ -311,6 +312,33 @@ def test_a_rank_killed_in_one_pod_fails_the_attempt_once(tmp_path: Path,
     (failed,) = jobset.attempts()
     assert (failed["reason"], failed["world_size"], failed["requeue"]) == ("failed", NODES * PER_NODE, True), failed
     assert not (jobset.run_dir / "result.json").exists()
+
+
+def test_a_rank_stopped_in_one_pod_is_found_hung_by_pod_0(tmp_path: Path,
+                                                         started: list[subprocess.Popen[str]]) -> None:
+    """Global rank 2 (pod 1's first) stopped mid-run: pod 0's watchdog reads every rank's heartbeat on the volume,
+    blames rank 2, keeps every rank's stacks (pod 1's supervisor has its own ranks write theirs: the stopped
+    one continued alone), kills the attempt in both pods, and records it `hung` once; both pods exit for a
+    counted restart, no rank left behind."""
+    _can_emulate()
+    jobset = JobSet(tmp_path, "trainer.hang_timeout_s=8", "cluster.max_restarts=1", "trainer.max_steps=5000")
+    pods = jobset.start(started)
+    jobset.wait_for_step(SIGNAL_AFTER, pods)
+    culprit = child_of(pods[1].first_process())  # pod 1's first rank: global rank 2
+    os.kill(culprit, signal.SIGSTOP)
+    codes = [pod.wait(timeout=120) for pod in pods]
+    assert codes == [1, 1], (codes, [pod.output() for pod in pods])
+    (hung,) = jobset.attempts()
+    assert (hung["reason"], hung["culprit_rank"], hung["requeue"]) == ("hung", 2, True), hung
+    assert "stopped running" in hung["error"], hung
+    evidence = Path(hung["evidence"])
+    assert evidence == jobset.run_dir / "hangs" / "1"
+    for rank in range(NODES * PER_NODE):  # py-spy's frame of the loop (pod 0 may have it), or faulthandler's
+        text = (evidence / f"rank_{rank}.txt").read_text()
+        assert "Trainer.fit" in text or " in fit" in text, (rank, text)
+    how = json.loads((evidence / "hang.json").read_text())["stacks"]
+    assert how["2"].startswith("faulthandler (asked on its node)"), how
+    assert not alive(culprit)  # killed (a stopped process lives on)
 
 
 #: A pod's supervisor in small: one "rank" printing LINES lines through `RankOutput` into the folder argv[1].

@@ -95,35 +95,14 @@ def take_stacks(run_dir: Path, out: Path, ranks: dict[int, Beat],
                 signal_remote: Optional[Callable[[], None]] = None) -> dict[int, str]:
     """Every rank's stacks into `out/rank_<N>.txt`; returns rank -> how they were taken.
 
-    `signal_remote` sends SIGUSR1 to the ranks this machine cannot reach (on Slurm: `scancel --signal`).
+    `signal_remote` asks the ranks this machine cannot reach for theirs (on Slurm: `scancel --signal`; in a
+    JobSet's pods: a request the other pods' supervisors answer with `ask_local_stacks`).
     """
-    how: dict[int, str] = {}
     here = local_ranks(ranks)
-    asked: list[int] = []
-    signalled: list[int] = []
-    # a stopped rank is continued alone while the others are held: a rank held mid-dump went on, when
-    # continued, with its threads running under its own handler, and left half a dump (CI). So the stopped
-    # ranks answer first, before any running rank is asked
-    for rank in sorted(ranks, key=lambda r: not (r in here and stopped(here[r]))):
-        pid = here.get(rank)
-        text = py_spy_dump(pid) if pid is not None else None
-        if text is not None:
-            write_own(out / f"rank_{rank}.txt", text)
-            how[rank] = "py-spy"
-            continue
-        if pid is not None and stopped(pid):  # it runs no handler until it continues: alone, then stops again
-            _stacks_of_stopped(stacks_path(run_dir, rank), ranks[rank].main_thread, pid,
-                               [p for p in here.values() if p != pid])
-            how[rank] = "faulthandler (stopped: continued alone to write them, then stopped again)"
-        elif pid is not None:
-            signalled.append(pid)
-            how[rank] = "faulthandler"
-        else:
-            how[rank] = "faulthandler (signalled through Slurm)"
+    how, asked = ask_local_stacks(run_dir, ranks, here, out)
+    for rank in sorted(set(ranks) - set(here)):
+        how[rank] = "faulthandler (asked on its node)"
         asked.append(rank)
-    for pid in signalled:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, STACKS_SIGNAL)
     if asked and any(rank not in here for rank in asked) and signal_remote is not None:
         signal_remote()
     deadline = time.monotonic() + _FAULTHANDLER_WAIT_S
@@ -139,6 +118,39 @@ def take_stacks(run_dir: Path, out: Path, ranks: dict[int, Beat],
         if not text:
             how[rank] += ", no answer"
     return dict(sorted(how.items()))
+
+
+def ask_local_stacks(run_dir: Path, ranks: dict[int, Beat], here: dict[int, int],
+                     out: Optional[Path] = None) -> tuple[dict[int, str], list[int]]:
+    """Ask the ranks of this machine (`here`: rank -> pid) for their stacks: py-spy's, written into `out`
+    where there is one (and `out` is given), else their faulthandler's, which they write into their stacks
+    files. Returns rank -> how, and the ranks whose faulthandler was asked (their answers are still coming).
+
+    A stopped rank is continued alone while the others are held: a rank held mid-dump went on, when
+    continued, with its threads running under its own handler, and left half a dump (CI). So the stopped
+    ranks answer first, before any running rank is asked."""
+    how: dict[int, str] = {}
+    asked: list[int] = []
+    signalled: list[int] = []
+    for rank in sorted(here, key=lambda r: not stopped(here[r])):
+        pid = here[rank]
+        text = py_spy_dump(pid) if out is not None else None
+        if text is not None and out is not None:
+            write_own(out / f"rank_{rank}.txt", text)
+            how[rank] = "py-spy"
+            continue
+        if stopped(pid):  # it runs no handler until it continues: alone, then stops again
+            _stacks_of_stopped(stacks_path(run_dir, rank), ranks[rank].main_thread, pid,
+                               [p for p in here.values() if p != pid])
+            how[rank] = "faulthandler (stopped: continued alone to write them, then stopped again)"
+        else:
+            signalled.append(pid)
+            how[rank] = "faulthandler"
+        asked.append(rank)
+    for pid in signalled:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, STACKS_SIGNAL)
+    return how, asked
 
 
 class _Answer:

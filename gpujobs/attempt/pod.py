@@ -28,8 +28,8 @@ that another JobSet or a local job holds is left alone, exit 2. Exit codes: 0 th
 The attempt's time limit is `cluster.time`: `cluster.signal_lead_s` before it, the supervisor stops the ranks
 as SIGTERM does, and they record `timeout`. Where the ledger says no attempt may follow (the budget of its
 reason spent: `cluster.max_preemptions`, `max_timeouts`, `max_restarts`), every pod that knows it exits 2,
-so the JobSet fails at once instead of restarting. No hang watchdog runs here yet (the local launcher's and
-the Slurm supervisor's do).
+so the JobSet fails at once instead of restarting. Pod 0's supervisor runs the hang watchdog over every rank
+(`pod_hangs`): a hung attempt's evidence is kept, its ranks killed in every pod, and it is recorded `hung`.
 """
 
 from __future__ import annotations
@@ -52,8 +52,10 @@ from gpujobs.attempt import failures
 from gpujobs.attempt import slurm_task as task
 from gpujobs.attempt.evidence import kill_tree
 from gpujobs.attempt.file_sd import withdraw_left_target
+from gpujobs.attempt.hangs import HangReport
 from gpujobs.attempt.judge import AttemptEnd, judge, record_verdict
 from gpujobs.attempt.local import parent_if_catching
+from gpujobs.attempt.pod_hangs import PodWatch
 from gpujobs.attempt.preemption import EXIT_REQUEUED
 from gpujobs.attempt.program import FROM_RUN_DIR, RankProgram
 from gpujobs.attempt.rank_output import RankOutput
@@ -237,12 +239,13 @@ def start_ranks(folder: Path, place: PodPlace, output: RankOutput) -> list[subpr
     return ranks
 
 
-def wait_ranks(ranks: list[subprocess.Popen[bytes]], stop: StopSignals) -> list[int]:
-    """Wait for every rank, passing a stop on; once one failed, the rest get `_FAIL_GRACE_S`, then SIGKILL.
-    Returns their exit codes (negative: the signal that killed one)."""
+def wait_ranks(ranks: list[subprocess.Popen[bytes]], stop: StopSignals, watch: PodWatch) -> list[int]:
+    """Wait for every rank, passing a stop on and ticking the hang watch; once one failed, the rest get
+    `_FAIL_GRACE_S`, then SIGKILL. Returns their exit codes (negative: the signal that killed one)."""
     failed_at: Optional[float] = None
     while any(proc.poll() is None for proc in ranks):
         stop.forward(ranks)
+        watch.tick()
         if failed_at is None and any(proc.returncode not in (None, 0, EXIT_REQUEUED) for proc in ranks):
             failed_at = time.monotonic()
         if failed_at is not None and time.monotonic() - failed_at > _FAIL_GRACE_S:
@@ -272,14 +275,14 @@ def pod_exit(codes: list[int]) -> int:
 
 
 def record_node0(job: JobConfig, ledger: AttemptLog, before: int, started: float, codes: list[int],
-                 place: PodPlace) -> int:
+                 place: PodPlace, hang: Optional[HangReport] = None) -> int:
     """Pod 0 judges the attempt as the Slurm batch step does, and writes its line where rank 0 wrote none;
     returns the pod's exit code."""
     history = ledger.read()
     ok = all(code == 0 for code in codes)
     end = AttemptEnd(
         ranks=place.world, started=started, exited_ok=ok, recorded=history[-1] if len(history) > before else None,
-        left=failures.left_outcome(ledger.run_dir, place.world, instance()) if not ok else None,
+        hang=hang, left=failures.left_outcome(ledger.run_dir, place.world, instance()) if not ok else None,
         error=f"the ranks recorded nothing: {describe(codes, place)}",
         node=socket.gethostname() if any(code < 0 for code in codes) else None, script=job.script is not None,
     )
@@ -348,12 +351,17 @@ def supervise(attempt: Attempt, stop: StopSignals) -> int:
     started = time.time()
     stop.limit_at = started + attempt.job.cluster.timeout_min * 60 - attempt.job.cluster.signal_lead_s
     output = RankOutput(attempt.folder, place.jobset)
-    codes = wait_ranks(start_ranks(attempt.folder, place, output), stop)
+    ranks = start_ranks(attempt.folder, place, output)
+    watch = PodWatch.for_pod(attempt.train_dir, attempt.job, place.world, instance(), attempt.before + 1,
+                             {place.global_rank(local): proc.pid for local, proc in enumerate(ranks)},
+                             first=place.index == 0)
+    codes = wait_ranks(ranks, stop, watch)
     output.join(_OUTPUT_TAIL_S)  # the ranks' last lines are in their files before the attempt is judged
     if place.index != 0:
         return other_pod_exit(AttemptLog(attempt.train_dir), attempt.before, codes)
     withdraw_left_target(attempt.train_dir)  # the ranks are gone: a target rank 0 could not withdraw goes too
-    return record_node0(attempt.job, AttemptLog(attempt.train_dir), attempt.before, started, codes, place)
+    hang = watch.watchdog.report if watch.watchdog is not None else None
+    return record_node0(attempt.job, AttemptLog(attempt.train_dir), attempt.before, started, codes, place, hang)
 
 
 def main(argv: Optional[list[str]] = None) -> None:
