@@ -110,6 +110,17 @@ def test_status_reads_the_jobset_and_the_run_dir_and_cancel_deletes_it(tmp_path:
     assert twice.returncode == 0 and "no such JobSet" in twice.stdout + twice.stderr, twice.stdout + twice.stderr
 
 
+def test_status_where_the_cluster_cannot_be_asked_shows_the_run_dirs_word(tmp_path: Path,
+                                                                          cluster: FakeCluster) -> None:
+    """No kubeconfig where status runs: one warning line, and the table from the run dir's files (exit 0)."""
+    submitted(submit(tmp_path))
+    proc = gpujobs(tmp_path, "gpujobs", "status", str(tmp_path / "runs" / "rec"), config="no-such-kubeconfig")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stderr == ("gpujobs: cannot ask the Kubernetes cluster about its JobSets: no kubeconfig found "
+                           "(KUBECONFIG, else ~/.kube/config): showing what the run dirs say\n"), proc.stderr
+    assert "? (files)" in proc.stdout, proc.stdout
+
+
 def test_a_failed_jobset_is_resubmitted_under_its_name_once_the_old_one_is_gone(
         tmp_path: Path, cluster: FakeCluster) -> None:
     run_dir = tmp_path / "runs" / "rec"

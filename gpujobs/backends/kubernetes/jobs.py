@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gpujobs.base.atomic import write_text_atomic
-from gpujobs.base.errors import SubmitError
+from gpujobs.base.errors import SchedulerError, SubmitError
 from gpujobs.config.load import JobConfig
 from gpujobs.rundir import lease
 from gpujobs.rundir.files import record_submission
@@ -65,7 +65,13 @@ def rank_log_path(folder: Path, name: str, rank: int, *, err: bool = False) -> P
 
 @contextlib.contextmanager
 def connected() -> Iterator[ClusterApi]:
-    """A connection to the kubeconfig's cluster, closed after use (KubernetesApiError when there is none)."""
+    """A connection to the kubeconfig's cluster, closed after use. SchedulerError where there can be none (no
+    `kubernetes` package, no kubeconfig), KubernetesApiError where the kubeconfig cannot be used."""
+    from gpujobs.backends.kubernetes.preflight import why_not_asked
+
+    why = why_not_asked()
+    if why is not None:
+        raise SchedulerError(f"cannot ask the Kubernetes cluster about its JobSets: {why}")
     from gpujobs.backends.kubernetes.api import ClusterApi
 
     api = ClusterApi()
@@ -94,7 +100,6 @@ def submit_jobset(job: JobConfig, run_dir: Path) -> str:
 
     SubmitError, with nothing of the submission left in the run dir, when the API server refuses it.
     """
-    from gpujobs.backends.kubernetes.api import KubernetesApiError
     from gpujobs.backends.kubernetes.jobset import jobset, to_yaml
 
     lease.check_free(run_dir, lease.here())
@@ -103,7 +108,7 @@ def submit_jobset(job: JobConfig, run_dir: Path) -> str:
     try:
         with connected() as api:
             _create(api, body, job_id)
-    except KubernetesApiError as err:
+    except SchedulerError as err:  # KubernetesApiError: the API server refused, or could not be reached
         raise SubmitError(str(err)) from None
     lease.replace(run_dir, dataclasses.replace(lease.here(job_id), holder=LEASE_HOLDER))
     (run_dir / job.cluster.folder).mkdir(parents=True, exist_ok=True)  # the pods' rank logs go there
@@ -193,7 +198,10 @@ def follow(job_id: str) -> int:
     after 1, 2, 4 ... seconds, then every `FOLLOW_EVERY_S`."""
     said, pause = "", 1.0
     while True:
-        state = states([job_id]).get(job_id, CANCELLED)  # gone: deleted, by `gpujobs cancel` or by hand
+        try:
+            state = states([job_id]).get(job_id, CANCELLED)  # gone: deleted, by `gpujobs cancel` or by hand
+        except SchedulerError as err:  # the API server restarting, a network blip: the JobSet runs on
+            state = f"unknown ({err})"
         if state != said:
             print(f"gpujobs: JobSet {job_id}: {state}", file=sys.stderr, flush=True)
             said = state
