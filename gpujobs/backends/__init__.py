@@ -36,7 +36,7 @@ def _register_liveness() -> None:
     """Tell the run dir's lease how to ask a scheduler whether a job that holds a run dir lives."""
     for backend in _backends().values():
         if isinstance(backend, Scheduler):
-            lease.register_job_liveness(backend.name, backend.liveness)
+            lease.register_job_liveness(backend.name, backend.liveness, backend.job_word)
 
 
 def names() -> tuple[str, ...]:

@@ -194,10 +194,6 @@ class ClusterConfig(Checked):
             raise ConfigError("volume.claim", claim, f"a PersistentVolumeClaim name: {kube.DNS_SUBDOMAIN_TEXT}")
         if mount is not None and (not mount.startswith("/") or ":" in mount or _CONTROL_OR_SPACE.search(mount)):
             raise ConfigError("volume.mount_path", mount, "an absolute path without ':' or whitespace")
-        if self.name == "kubernetes" and (claim is None or mount is None):
-            key = "volume.claim" if claim is None else "volume.mount_path"
-            raise ConfigError(key, None, "a value with cluster=kubernetes (the run dir lies on a ReadWriteMany "
-                                         "PVC: cluster.volume.claim=NAME cluster.volume.mount_path=/PATH)")
 
     @property
     def timeout_min(self) -> int:

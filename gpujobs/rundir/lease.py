@@ -47,6 +47,8 @@ _CLOCK_SLACK_S = 2.0
 #: say (for Slurm: `squeue`). The backends, the only place a scheduler's commands run, are a layer above
 #: the run dir: their registry fills this in when it is imported (`register_job_liveness`).
 _JOB_LIVENESS: dict[str, Callable[[str], tuple[bool, str]]] = {}
+#: How an error line names a job of that scheduler ("Slurm job"), filled in beside its liveness.
+_JOB_WORDS: dict[str, str] = {}
 #: `Lease.holder` of a launcher process on a host (the lease files' word for it).
 LAUNCHER = "local"
 
@@ -83,7 +85,7 @@ class Lease:
     def describe(self) -> str:
         """How an error line names the holder."""
         if self.job_id is not None:
-            return f"{'JobSet' if self.holder == 'kubernetes' else 'Slurm job'} {self.job_id}"
+            return f"{_JOB_WORDS.get(self.holder, f'{self.holder} job')} {self.job_id}"
         return f"a local job (launcher pid {self.pid} on {self.host})"
 
 
@@ -106,9 +108,11 @@ def _parse(path: Path) -> Optional[Lease]:
         return None
 
 
-def register_job_liveness(holder: str, liveness: Callable[[str], tuple[bool, str]]) -> None:
-    """Let `live` ask `liveness(job_id)` about a lease whose holder is `holder` (a scheduler's name)."""
+def register_job_liveness(holder: str, liveness: Callable[[str], tuple[bool, str]], job_word: str) -> None:
+    """Let `live` ask `liveness(job_id)` about a lease whose holder is `holder` (a scheduler's name), and
+    `Lease.describe` name its job as `job_word` ("Slurm job 123")."""
     _JOB_LIVENESS[holder] = liveness
+    _JOB_WORDS[holder] = job_word
 
 
 def live(lease: Lease) -> tuple[bool, str]:

@@ -29,8 +29,6 @@ __all__ = ["LEASE_HOLDER", "KubernetesBackend"]
 IMAGE_NEEDED = ("an OCI image reference the nodes pull, with container=podman (e.g. container=podman "
                 "container.image=registry.example.com/team/rec:1): cluster=kubernetes runs the ranks in it")
 
-lease.register_job_liveness(LEASE_HOLDER, jobs.liveness)
-
 
 class KubernetesBackend(Scheduler):
     """A JobSet on a Kubernetes cluster, created and read through the official client."""
@@ -103,9 +101,17 @@ class KubernetesBackend(Scheduler):
         return {}  # no accounting is asked of the cluster: `gpujobs cost` counts from the run dir's records
 
 
+lease.register_job_liveness(LEASE_HOLDER, jobs.liveness, KubernetesBackend.job_word)
+
+
 def check_kubernetes_job(job: JobConfig) -> None:
-    """Refuse what the JobSet cannot say (ConfigError naming the key): no image,
+    """Refuse what the JobSet cannot say (ConfigError naming the key): no volume for the run dir, no image,
     container keys that mean nothing in a pod, an elastic node range, a data store off the volume."""
+    volume = job.cluster.volume
+    if volume.claim is None or volume.mount_path is None:
+        key = "cluster.volume.claim" if volume.claim is None else "cluster.volume.mount_path"
+        raise ConfigError(key, None, "a value with cluster=kubernetes (the run dir lies on a ReadWriteMany PVC: "
+                                     "cluster.volume.claim=NAME cluster.volume.mount_path=/PATH)")
     container = job.container
     if container.runtime == Runtime.none or not container.image:
         raise ConfigError("container.image", container.image, IMAGE_NEEDED)
