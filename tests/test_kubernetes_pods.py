@@ -30,8 +30,10 @@ import pytest
 import yaml
 from conftest import REPO, compose_job, missing, read_result, submit
 
+from gpujobs.attempt.pod import other_pod_exit
 from gpujobs.base.process import alive
 from gpujobs.rundir import lease
+from gpujobs.rundir.attempts import AttemptLog
 from gpujobs.rundir.files import write_config
 
 #: 60 slowed steps on 2 nodes x 2 gloo ranks: long enough to interrupt mid-run, short enough for 2 shared cores.
@@ -404,3 +406,18 @@ def test_run_dir_held_by_another_jobset_stands_down(tmp_path: Path) -> None:
     assert "in use by JobSet default/rec-00000000" in proc.stderr and "stands down" in proc.stderr, proc.stderr
     assert lease.read(jobset.run_dir) == other
     assert not list((jobset.run_dir / "submitit").glob("*"))
+
+
+@pytest.mark.parametrize(("reason", "max_restarts", "exit_code"), [
+    ("completed", 1, 0),  # a rank that crashed at its exit after rank 0 recorded the run complete
+    ("failed", 1, 1),  # a counted restart
+    ("failed", 0, EXIT_BAD_INPUT),  # the failure budget is spent: the JobSet fails at once
+])
+def test_a_pod_s_exit_follows_the_attempt_s_ledger_line(tmp_path: Path, reason: str, max_restarts: int,
+                                                       exit_code: int) -> None:
+    """A pod other than pod 0 whose rank exited 1 exits as the attempt's line says: 0 once the run completed
+    (a restart would train it again), else a counted restart, or 2 where no attempt may follow."""
+    job = compose_job(f"cluster.max_restarts={max_restarts}")
+    ledger = AttemptLog(tmp_path)
+    ledger.record(job.cluster, reason, recorded_by="rank 0", world_size=4, start=round(time.time() - 5, 3))
+    assert other_pod_exit(ledger, 0, [0, 1]) == exit_code

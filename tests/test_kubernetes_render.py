@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -88,7 +89,10 @@ def rendered(shape: str) -> tuple[str, dict[str, Any]]:
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_the_jobset_validates_against_the_crd_and_kubernetes_schemas_and_matches_its_golden_file(shape: str) -> None:
+def test_the_jobset_validates_against_the_crd_and_kubernetes_schemas_and_matches_its_golden_file(
+        shape: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)  # the golden files' submitting user, whoever runs the test
+    monkeypatch.setattr(os, "getegid", lambda: 1000)
     text, manifest = rendered(shape)
     assert yaml.safe_load(text) == manifest
     validate(manifest)
@@ -132,6 +136,8 @@ def test_the_jobset_says_what_the_config_asks() -> None:
     assert (pod["priorityClassName"], pod["serviceAccountName"]) == ("high", "trainer")
     assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "H100-SXM"}
     assert pod["terminationGracePeriodSeconds"] == 120  # cluster.signal_lead_s
+    # the pods run as the submitting user, who owns the run dir they refuse to use if it is not their user's
+    assert pod["securityContext"] == {"runAsUser": os.geteuid(), "runAsGroup": os.getegid()}
     assert manifest["spec"]["network"]["enableDNSHostnames"] is True
     assert manifest["spec"]["failurePolicy"]["maxRestarts"] == 3
     env = {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}

@@ -298,7 +298,8 @@ def record_node0(job: JobConfig, ledger: AttemptLog, before: int, started: float
 
 def other_pod_exit(ledger: AttemptLog, before: int, codes: list[int]) -> int:
     """A pod but pod 0's exit code: its ranks', or `EXIT_BAD_INPUT` where the attempt's ledger line says no
-    attempt may follow: the JobSet must fail, not restart, whichever pod's failure its controller reads first.
+    attempt may follow: the JobSet must fail, not restart, whichever pod's failure its controller reads first;
+    0 where the line says `completed` (a rank that crashed at its exit, say in NCCL's teardown, after it).
     The line is rank 0's or pod 0's supervisor's, written about when this pod's ranks end: it is waited for
     up to `_VERDICT_WAIT_S` (a line that comes later leaves pod 0 alone to fail the JobSet)."""
     code = pod_exit(codes)
@@ -309,7 +310,11 @@ def other_pod_exit(ledger: AttemptLog, before: int, codes: list[int]) -> int:
     while len(history) <= before and time.monotonic() < deadline:
         time.sleep(_POLL_S)
         history = ledger.read()
-    if len(history) > before and history[-1].reason != "completed" and not history[-1].requeue:
+    if len(history) > before and history[-1].reason == "completed":  # a rank's crash at its exit, after it
+        print(f"gpujobs: the attempt completed; this pod's ranks then exited with {codes}",
+              file=sys.stderr, flush=True)
+        return 0  # a restart would train the completed run again
+    if len(history) > before and not history[-1].requeue:
         print(f"gpujobs: attempt ended: {history[-1].reason} ({history[-1].why})", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
     return code

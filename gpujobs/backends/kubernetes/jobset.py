@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -142,6 +143,7 @@ def pod_spec(job: JobConfig, run_dir: Path, name: str) -> dict[str, Any]:
     spec: dict[str, Any] = {
         "restartPolicy": "Never",  # the Job's pod failure policy needs it; JobSet restarts the whole set
         "terminationGracePeriodSeconds": grace_period_s(job, run_dir),
+        "securityContext": run_as_submitter(),
     }
     if cluster.priority_class is not None:
         spec["priorityClassName"] = cluster.priority_class
@@ -155,6 +157,12 @@ def pod_spec(job: JobConfig, run_dir: Path, name: str) -> dict[str, Any]:
     spec["volumes"] = [{"name": "run-dir", "persistentVolumeClaim": {"claimName": volume.claim}},
                        {"name": "dshm", "emptyDir": {"medium": "Memory"}}]  # NCCL's and the data loaders' shm
     return spec
+
+
+def run_as_submitter() -> dict[str, int]:
+    """The pods' user and group: the submitting user's, who owns the run dir on the volume. An image's own user
+    (often root) would own nothing there, and every gpujobs process refuses a run dir that is not its user's."""
+    return {"runAsUser": os.geteuid(), "runAsGroup": os.getegid()}
 
 
 def pod_failure_policy() -> dict[str, Any]:
