@@ -134,8 +134,7 @@ def ask_local_stacks(run_dir: Path, ranks: dict[int, Beat], here: dict[int, int]
     signalled: list[int] = []
     for rank in sorted(here, key=lambda r: not stopped(here[r])):
         pid = here[rank]
-        text = py_spy_dump(pid) if out is not None else None
-        if text is not None and out is not None:
+        if out is not None and (text := py_spy_dump(pid)) is not None:
             write_own(out / f"rank_{rank}.txt", text)
             how[rank] = "py-spy"
             continue

@@ -51,11 +51,10 @@ class PodWatch:
     def for_pod(cls, run_dir: Path, job: JobConfig, world: int, instance: str, attempt: int,
                 pids: dict[int, int], first: bool) -> PodWatch:
         """Pod 0's (`first`) watch with its watchdog (none when `trainer.hang_timeout_s` is 0), or another pod's."""
-        if not first:
-            return cls(run_dir, instance, pids)
         watch = cls(run_dir, instance, pids)
-        watch.watchdog = HangWatchdog.for_job(run_dir, job, world, instance, attempt, kill=watch.kill_all,
-                                              signal_remote=watch.ask_remote_stacks)
+        if first:
+            watch.watchdog = HangWatchdog.for_job(run_dir, job, world, instance, attempt, kill=watch.kill_all,
+                                                  signal_remote=watch.ask_remote_stacks)
         return watch
 
     def tick(self) -> None:
