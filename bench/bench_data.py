@@ -5,12 +5,15 @@
 On generated Criteo-format files (the Kaggle release's 26 category cardinalities, Zipf-skewed values, a
 tenth of the fields missing; about 240 bytes a line, as the real logs):
 
-1. prepare, rows/s of one worker process: today's `read_criteo_tsv`; the `CriteoParser`; the parser plus
-   writing the shard (`prepare_shard`: column files, checksums, fsync, publish); pyarrow's bare `read_csv`
-   of the same file (the floor: same delimiter and types, categoricals as strings or as bytes, no
-   transform); the parser and the floor on the gzip file. Single-threaded readers are timed by CPU time
-   (a core's rate: this machine is shared); the parser with a thread per CPU, and today's reader beside
-   it, by wall time. Acceptance: parser >= 10x today and >= 0.5x the floor. Rounds interleave; medians.
+1. prepare, rows/s of one worker process: today's `read_criteo_tsv`; the `CriteoParser` (pyarrow's
+   stream, the compiled scan); the parser plus writing the shard (`prepare_shard`: column files,
+   checksums, fsync, publish); pyarrow's bare `read_csv` of the same file (the library floor: same
+   delimiter and types, categoricals as strings or as bytes, no transform); the parser and the floor on
+   the gzip file. Single-threaded readers are timed by CPU time (a core's rate: this machine is shared);
+   the parser and `prepare_shard` with a thread per CPU, and today's reader beside them, by wall time.
+   Acceptance: parser >= 10x today (a core each, and a worker's threads) and >= 0.5x the floor; the
+   `prepare_shard` figures are reported (their writes cost what the machine's page cache costs).
+   Rounds interleave; medians.
 2. reading: a rank's rows/s from a `SampleStore` (`take` of a step's rows in `IndexShuffle` order, made
    into the model's tensors) against the rec trainer's consumption (DLRM of the rec defaults forward +
    backward + Adam at batch 256 on one CPU thread). Acceptance: reading >= 3x consumption.
@@ -145,8 +148,8 @@ def _parse(path: Path, threads: int = 1) -> int:
     return sum(len(chunk.columns["label"]) for chunk in chunks)
 
 
-def _prepare_one(path: Path, store: Path) -> int:
-    plan = PreparePlan(store, {"train": (path,), "eval": ()}, CriteoParser(HASH_BUCKETS), "fail")
+def _prepare_one(path: Path, store: Path, threads: int = 1) -> int:
+    plan = PreparePlan(store, {"train": (path,), "eval": ()}, CriteoParser(HASH_BUCKETS, threads=threads), "fail")
     return prepare_shard(plan, "train", 0).rows
 
 
@@ -167,10 +170,12 @@ def bench_prepare(plain: Path, packed: Path, rounds: int, scratch: Path) -> dict
         "bare read_csv, string, .gz": (lambda r: _bare_read(packed, pa.string()), cpu),
         "CriteoParser, .gz": (lambda r: _parse(packed), cpu),
         f"CriteoParser, {threads} threads (wall)": (lambda r: _parse(plain, threads), wall),
+        f"CriteoParser + prepare_shard, {threads} threads (wall)": (
+            lambda r: _prepare_one(plain, scratch / f"store-wall-{r}", threads), wall),
         "read_criteo_tsv (wall)": (lambda r: _today(plain), wall),
     }
     rates: dict[str, list[float]] = {name: [] for name in cases}
-    for r in range(rounds + 1):  # round 0 warms up (first calls into pyarrow, the page cache) and is not kept
+    for r in range(rounds + 1):  # round 0 warms up (numba's compiled scan, the page cache) and is not kept
         for name, (case, clock) in cases.items():
             rate = _rate(functools.partial(case, r), clock)
             if r:
@@ -276,7 +281,7 @@ def bench_opening(stores: list[Path], tries: int = 3) -> list[dict[str, float]]:
 def report(prepare: dict[str, float], read: float, train: float, small: dict[str, float],
            large: dict[str, float], store_rows: int) -> tuple[dict[str, Any], list[str]]:
     """The JSON result, and the failed acceptance lines."""
-    threaded = next(name for name in prepare if "threads" in name)
+    threaded = next(name for name in prepare if name.startswith("CriteoParser, ") and "threads" in name)
     checks = {
         "parser / read_criteo_tsv, a core each": (
             prepare["CriteoParser"] / prepare["read_criteo_tsv"], MIN_VS_TODAY, ">="),
