@@ -164,6 +164,52 @@ def test_a_stopped_rank_answers_before_a_running_rank_is_asked(tmp_path: Path,
             proc.wait()
 
 
+_DYING_RANK = """
+import os, signal, sys, threading, time
+stacks = sys.argv[1]
+def dump(signum, frame):  # a first thread's block, then the crash (faulthandler reading a running thread's frames)
+    with open(stacks, "a") as out:
+        out.write("Thread 0x00007f0000000001 (most recent call first):\\n")
+    os.kill(os.getpid(), signal.SIGKILL)
+signal.signal(signal.SIGUSR1, dump)
+print(threading.main_thread().ident, flush=True)
+while True:
+    time.sleep(0.01)
+"""
+
+
+def test_a_stopped_rank_that_dies_answering_leaves_the_others_stopped_for_the_kill(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 1, stopped, dies while it writes its stacks (CI: faulthandler crashed it). Continued, rank 0 would
+    find its peer gone and record a failure of its own before the watchdog's kill, and the attempt judged
+    hung would be recorded `failed`: rank 0 is kept stopped instead, and not asked."""
+    monkeypatch.setenv("PATH", path_without_py_spy())
+    run_dir = tmp_path / "run"
+    (run_dir / HEARTBEAT_DIR).mkdir(parents=True, mode=0o700)
+    ranks = [subprocess.Popen([sys.executable, "-c", code, str(stacks_path(run_dir, rank))], stdout=subprocess.PIPE,
+                              text=True) for rank, code in enumerate((_ANSWERING_RANK, _DYING_RANK))]
+    try:
+        beats = {rank: Beat(rank=rank, pid=proc.pid, node="n", host=socket.gethostname(), instance="i",
+                            started=0.0, main_thread=int(proc.stdout.readline())) for rank, proc in enumerate(ranks)}
+        os.kill(ranks[1].pid, signal.SIGSTOP)
+        while not stopped(ranks[1].pid):
+            time.sleep(0.01)
+        out = tmp_path / "evidence"
+        out.mkdir()
+        how = take_stacks(run_dir, out, beats)
+        assert how[1] == "faulthandler (stopped: continued alone to write them, and died doing it)", how
+        assert how[0].startswith("not asked: rank 1 died writing its stacks"), how
+        assert ranks[1].wait(timeout=10) == -signal.SIGKILL
+        assert stopped(ranks[0].pid)  # held for the kill, never continued
+        assert not stacks_path(run_dir, 0).exists() or stacks_path(run_dir, 0).read_text() == ""  # never asked
+        assert (out / "rank_0.txt").read_text().startswith("not asked")
+        assert (out / "rank_1.txt").read_text().startswith("Thread 0x")  # what it wrote before it died
+    finally:
+        for proc in ranks:
+            proc.kill()
+            proc.wait()
+
+
 def test_a_hang_whose_evidence_cannot_be_kept_is_still_killed_and_recorded(tmp_path: Path) -> None:
     """A plain file where RUN_DIR/hangs/ goes: no stacks can be written, yet the hung attempt must die
     (no process left) and get its `hung` line."""

@@ -128,7 +128,9 @@ def ask_local_stacks(run_dir: Path, ranks: dict[int, Beat], here: dict[int, int]
 
     A stopped rank is continued alone while the others are held: a rank held mid-dump went on, when
     continued, with its threads running under its own handler, and left half a dump (CI). So the stopped
-    ranks answer first, before any running rank is asked."""
+    ranks answer first, before any running rank is asked. A stopped rank that dies while it writes them
+    (faulthandler reads the frames of its other threads, which run meanwhile, and can crash it: CI) ends the
+    asking: the ranks still held stay stopped for the kill that follows, and are not asked."""
     how: dict[int, str] = {}
     asked: list[int] = []
     signalled: list[int] = []
@@ -139,12 +141,16 @@ def ask_local_stacks(run_dir: Path, ranks: dict[int, Beat], here: dict[int, int]
             how[rank] = "py-spy"
             continue
         if stopped(pid):  # it runs no handler until it continues: alone, then stops again
-            _stacks_of_stopped(stacks_path(run_dir, rank), ranks[rank].main_thread, pid,
-                               [p for p in here.values() if p != pid])
+            asked.append(rank)
+            if not _stacks_of_stopped(stacks_path(run_dir, rank), ranks[rank].main_thread, pid,
+                                      [p for p in here.values() if p != pid]):
+                how[rank] = "faulthandler (stopped: continued alone to write them, and died doing it)"
+                _keep_held(how, here, rank, out)
+                return how, asked  # stopped ranks come first: no running rank was signalled yet
             how[rank] = "faulthandler (stopped: continued alone to write them, then stopped again)"
-        else:
-            signalled.append(pid)
-            how[rank] = "faulthandler"
+            continue
+        signalled.append(pid)
+        how[rank] = "faulthandler"
         asked.append(rank)
     for pid in signalled:
         with contextlib.suppress(ProcessLookupError):
@@ -187,10 +193,12 @@ class _Answer:
             return False
 
 
-def _stacks_of_stopped(written: Path, main_thread: int, pid: int, others: list[int]) -> None:
+def _stacks_of_stopped(written: Path, main_thread: int, pid: int, others: list[int]) -> bool:
     """SIGUSR1, then SIGCONT, to stopped rank `pid`, until its faulthandler has written `written`; then it is
     stopped again. The ranks beside it (`others`, on this machine) are held still meanwhile: once the
-    stopped rank runs, the attempt judged hung could go on training, saving and recording past its verdict."""
+    stopped rank runs, the attempt judged hung could go on training, saving and recording past its verdict.
+    False where the rank died meanwhile: the others are left held then, as once continued they would find
+    their peer gone and record a failure of their own before the kill of the hung attempt."""
     held = [other for other in others if alive(other) and not stopped(other)]
     for other in held:
         with contextlib.suppress(ProcessLookupError):
@@ -200,15 +208,26 @@ def _stacks_of_stopped(written: Path, main_thread: int, pid: int, others: list[i
         os.kill(pid, signal.SIGCONT)
         deadline = time.monotonic() + _FAULTHANDLER_WAIT_S
         answer = _Answer(written, main_thread)
-        while not answer.whole() and time.monotonic() < deadline:
+        while not answer.whole() and time.monotonic() < deadline and alive(pid):
             time.sleep(0.05)
         os.kill(pid, signal.SIGSTOP)
     except ProcessLookupError:
-        pass  # it is gone: nothing more to read, nothing to hold
-    finally:
-        for other in held:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(other, signal.SIGCONT)
+        pass  # it is gone: nothing more to read
+    if not alive(pid):
+        return False
+    for other in held:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(other, signal.SIGCONT)
+    return True
+
+
+def _keep_held(how: dict[int, str], here: dict[int, int], died: int, out: Optional[Path]) -> None:
+    """Say of each rank of `here` not asked yet that it was kept stopped when rank `died` died answering."""
+    said = f"not asked: rank {died} died writing its stacks, and this rank was kept stopped for the kill"
+    for rank in sorted(set(here) - set(how)):
+        how[rank] = said
+        if out is not None:
+            write_own(out / f"rank_{rank}.txt", said + "\n")
 
 
 def dump_flight_recorder(run_dir: Path, out: Path, ranks: dict[int, Beat],
