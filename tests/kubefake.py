@@ -7,8 +7,10 @@ bodies shaped as the API documents them:
   `labelSelector` as the API server does);
 - a JobSet's create (POST, validated against the pinned JobSet CRD's `openAPIV3Schema` as the API server
   validates a custom object: 422 if it does not hold, 409 if the name is taken, 404 without the namespace),
-  get, list and delete (the object is gone after `deletion_reads` more reads of it, as a deletion with
-  finalizers takes a while);
+  get, list and delete: a background deletion removes the object at once (its pods are deleted later, by
+  the garbage collector), a foreground one (`propagationPolicy=Foreground`) marks it with a
+  `deletionTimestamp` and the `foregroundDeletion` finalizer, and it is gone only after `deletion_reads`
+  more reads of it (while its pods stop);
 - a `Status` with the HTTP code for what is absent (404) or refused (403, 500, on any path the test names).
 The queues it serves are validated against the Kueue v0.19.2 CRDs (tests/data/k8s/), the Namespace and Nodes
 against Kubernetes' own schemas (`kubernetes-validate`), so the fakes have the documented shape. The client
@@ -136,7 +138,8 @@ class FakeCluster:
                 return code, status(code, reason, f"{reason.lower()} for {url.path}: as the test asked")
             parts = url.path.strip("/").split("/")
             if url.path.startswith("/apis/jobset.x-k8s.io/") and len(parts) in (6, 7):
-                return self.jobset_answer(method, parts[4], parts[6] if len(parts) == 7 else None, body)
+                policy = parse_qs(url.query).get("propagationPolicy", ["Background"])[0]
+                return self.jobset_answer(method, parts[4], parts[6] if len(parts) == 7 else None, body, policy)
             if method != "GET":
                 return 405, status(405, "MethodNotAllowed", f"{method} is not allowed on {url.path}")
             if url.path == "/api/v1/nodes":
@@ -146,13 +149,16 @@ class FakeCluster:
             kind, name = url.path.rsplit("/", 2)[-2:]
             return 404, status(404, "NotFound", f'{kind} "{name}" not found')
 
-    def jobset_answer(self, method: str, ns: str, name: Optional[str],
-                      body: Optional[dict[str, Any]]) -> tuple[int, dict[str, Any]]:
-        """What the API server answers on the JobSets of namespace `ns` (one named `name`, or all)."""
+    def jobset_answer(self, method: str, ns: str, name: Optional[str], body: Optional[dict[str, Any]],
+                      policy: str = "Background") -> tuple[int, dict[str, Any]]:
+        """What the API server answers on the JobSets of namespace `ns` (one named `name`, or all); `policy`:
+        a deletion's propagationPolicy."""
         if f"/api/v1/namespaces/{ns}" not in self.objects:
             return 404, status(404, "NotFound", f'namespaces "{ns}" not found')
         if name is None and method == "GET":
             items = [copy.deepcopy(o) for (n, _), o in sorted(self.jobsets.items()) if n == ns]
+            for key in [key for key in self.deleting if key[0] == ns]:  # a list reads each of them
+                self.settle(key)
             return 200, {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSetList",
                          "metadata": {"resourceVersion": "7"}, "items": items}
         if name is None and method == "POST":
@@ -161,8 +167,11 @@ class FakeCluster:
         if key not in self.jobsets:
             return 404, status(404, "NotFound", f'jobsets.jobset.x-k8s.io "{name}" not found')
         if method == "DELETE":
-            self.deleting[key] = self.deletion_reads
-            self.jobsets[key]["metadata"]["deletionTimestamp"] = "2026-12-04T10:00:00Z"
+            if policy != "Foreground":
+                return 200, copy.deepcopy(self.jobsets.pop(key))
+            self.deleting.setdefault(key, self.deletion_reads)
+            self.jobsets[key]["metadata"].update(deletionTimestamp="2026-12-04T10:00:00Z",
+                                                 finalizers=["foregroundDeletion"])
             answer = copy.deepcopy(self.jobsets[key])
             self.settle(key)
             return 200, answer

@@ -24,10 +24,10 @@ LEFT = ("failed", {"error": "rank 1: boom", "culprit_rank": 1, "node": "n2"})
 
 
 def test_the_ladder_first_match_wins() -> None:
-    """Rank 0's line, then a hang, then every rank's exit 0, then what the ranks left, then the
-    supervisor's own words: each rung wins over every rung below it."""
+    """Rank 0's line, then a hang, then ranks killed at the time limit, then every rank's exit 0, then what
+    the ranks left, then the supervisor's own words: each rung wins over every rung below it."""
     end = AttemptEnd(ranks=2, started=1.0, exited_ok=False, recorded=RANK0_LINE, hang=HANG, left=LEFT,
-                     error="srun exited with code 1", node="n3")
+                     error="srun exited with code 1", node="n3", timed_out=True)
     stood = judge(end)
     assert (stood.reason, stood.line, stood.recorded) == ("completed", None, RANK0_LINE)
     assert stood.error == HANG.attempt_fields()["error"]  # rank 0 said no error of its own
@@ -35,6 +35,9 @@ def test_the_ladder_first_match_wins() -> None:
     assert hung.reason == "hung" and hung.line is not None
     assert (hung.line["culprit_rank"], hung.line["node"], hung.line["world_size"]) == (1, "n1", 2)
     assert "start" not in hung.line  # where it began comes from the heartbeats, and there were none
+    late = judge(dataclasses.replace(end, recorded=None, hang=None))
+    assert (late.reason, late.line) == ("timeout", {"start": 1.0, "world_size": 2, "error": "srun exited with code 1"})
+    end = dataclasses.replace(end, timed_out=False)
     done = judge(dataclasses.replace(end, recorded=None, hang=None, exited_ok=True))
     assert (done.reason, done.line) == ("completed", None)  # a trainer's rank 0 wrote its line itself
     script = judge(dataclasses.replace(end, recorded=None, hang=None, exited_ok=True, script=True))

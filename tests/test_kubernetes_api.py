@@ -101,10 +101,14 @@ def test_status_reads_the_jobset_and_the_run_dir_and_cancel_deletes_it(tmp_path:
     assert again.returncode == 2 and f"JobSet ml/{name}" in again.stderr, again.stderr
     assert f"POST {LIST}" not in cluster.requests[before:]
 
+    cluster.deletion_reads = 2  # its pods take a while to save and stop
     cancel = gpujobs(tmp_path, "gpujobs", "cancel", str(run_dir))
     assert cancel.returncode == 0, cancel.stdout + cancel.stderr
-    assert f"DELETE {LIST}/{name}?propagationPolicy=Background" in cluster.requests, cluster.requests
-    assert (ns, name) not in cluster.jobsets
+    assert f"DELETE {LIST}/{name}?propagationPolicy=Foreground" in cluster.requests, cluster.requests
+    assert "STOPPING" in status_row(tmp_path, run_dir)  # the JobSet stays while its pods may write
+    meanwhile = submit(tmp_path)  # so the run dir stays theirs
+    assert meanwhile.returncode == 2 and f"JobSet ml/{name} is STOPPING" in meanwhile.stderr, meanwhile.stderr
+    assert (ns, name) not in cluster.jobsets  # that read was the last before its pods were gone
     assert "CANCELLED" in status_row(tmp_path, run_dir)
     twice = gpujobs(tmp_path, "gpujobs", "cancel", str(run_dir))
     assert twice.returncode == 0 and "no such JobSet" in twice.stdout + twice.stderr, twice.stdout + twice.stderr
@@ -131,7 +135,7 @@ def test_a_failed_jobset_is_resubmitted_under_its_name_once_the_old_one_is_gone(
     proc = gpujobs(tmp_path, "gpujobs", "resubmit", "--failed", str(run_dir))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"gpujobs: submitted JobSet ml/{name}" in proc.stdout
-    deleted = cluster.requests.index(f"DELETE {LIST}/{name}?propagationPolicy=Background")
+    deleted = cluster.requests.index(f"DELETE {LIST}/{name}?propagationPolicy=Foreground")
     assert cluster.requests[deleted + 1:].count(f"{LIST}/{name}") == 3  # waited until it was gone
     assert cluster.requests[-1] == f"POST {LIST}"
     assert cluster.jobsets[(ns, name)]["status"] == {}  # a new one
@@ -217,3 +221,34 @@ def test_cluster_wait_follows_the_jobset_to_its_end(tmp_path: Path, cluster: Fak
         follower.kill()
         follower.wait()
 
+
+
+@pytest.mark.parametrize("refusal", [False, True], ids=["blip", "refused"])
+def test_a_follow_reads_on_through_a_blip_and_ends_at_a_refusal(tmp_path: Path, cluster: FakeCluster,
+                                                                refusal: bool) -> None:
+    """An API server that answers 500 for a while is asked again until the JobSet ends; one that refuses the
+    user (403) ends the follow at once with one line and 1, as asking again would not change it."""
+    env = {**os.environ, "KUBECONFIG": str(tmp_path / "kubeconfig"), "PYTHONUNBUFFERED": "1"}
+    (tmp_path / "runs").mkdir()
+    cmd = [sys.executable, "-m", "gpujobs.submit", f"hydra.run.dir={tmp_path / 'runs' / 'rec'}", *KUBE,
+           f"cluster.volume.mount_path={tmp_path / 'runs'}", "cluster.wait=true"]
+    follower = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert follower.stdout is not None and follower.stderr is not None
+        name = follower.stdout.readline().split()[3].rstrip(";").split("/")[1]
+        assert follower.stderr.readline() == f"gpujobs: JobSet ml/{name}: RUNNING\n"
+        cluster.failures[LIST] = (403, "Forbidden") if refusal else (500, "InternalError")
+        if refusal:
+            assert follower.wait(timeout=60) == 1
+            (line,) = follower.stderr.read().splitlines()
+            assert line.startswith(f"gpujobs: JobSet ml/{name}: cannot follow it: ") and "HTTP 403" in line, line
+            return
+        line = follower.stderr.readline()
+        assert line.startswith(f"gpujobs: JobSet ml/{name}: unknown (") and "HTTP 500" in line, line
+        del cluster.failures[LIST]
+        cluster.set_status("ml", name, terminal="Completed")
+        assert follower.wait(timeout=60) == 0
+        assert follower.stderr.read() == f"gpujobs: JobSet ml/{name}: COMPLETED\n"
+    finally:
+        follower.kill()
+        follower.wait()

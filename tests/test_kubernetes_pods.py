@@ -30,11 +30,13 @@ import pytest
 import yaml
 from conftest import REPO, compose_job, missing, read_result, submit
 
-from gpujobs.attempt.pod import other_pod_exit
+from gpujobs.attempt.pod import StopSignals, other_pod_exit, read_place, record_node0, wait_ranks
+from gpujobs.attempt.pod_hangs import PodWatch, request_path
 from gpujobs.base.process import alive
-from gpujobs.rundir import lease
+from gpujobs.rundir import HEARTBEAT_DIR, lease
 from gpujobs.rundir.attempts import AttemptLog
 from gpujobs.rundir.files import write_config
+from gpujobs.rundir.heartbeat import instance
 
 #: 60 slowed steps on 2 nodes x 2 gloo ranks: long enough to interrupt mid-run, short enough for 2 shared cores.
 #: The ranks vote on a stop every 30 steps and read the vote a step later: a signal after step 12
@@ -265,9 +267,11 @@ def test_sigterm_to_every_pod_checkpoints_and_the_rerun_resumes(tmp_path: Path, 
     result = read_result(jobset.run_dir)
     assert (result["resumed_from"], result["param_digest"]) == (str(saved), local_digest)
     assert [line["reason"] for line in jobset.attempts()] == ["preempted", "completed"]
+    job_id = f"{jobset.manifest['metadata']['namespace']}/{jobset.name}"  # as the submissions name the JobSet
+    assert [line["job_id"] for line in jobset.attempts()] == [job_id, job_id]
     for rank in range(NODES * PER_NODE):  # the restart's output follows the first attempt's in the rank's files
         kept = kept_output(jobset, rank)
-        first, second = (kept.find(f"job_id={jobset.name}-{restart},") for restart in (0, 1))
+        first, second = (kept.find(f"job_id={jobset.name}-1-{restart},") for restart in (0, 1))
         assert 0 <= first < second and kept.endswith("Exiting after successful completion\n"), kept
         err = kept_output(jobset, rank, "err").split(f"[rank {rank}] rank {rank}/{NODES * PER_NODE} on")
         assert len(err) == 3 and "resumed from" in err[2] and "resumed from" not in err[1], err
@@ -313,6 +317,7 @@ def test_a_rank_killed_in_one_pod_fails_the_attempt_once(tmp_path: Path,
     assert all(code not in (0, EXIT_BAD_INPUT) for code in codes), (codes, [pod.output() for pod in pods])
     (failed,) = jobset.attempts()
     assert (failed["reason"], failed["world_size"], failed["requeue"]) == ("failed", NODES * PER_NODE, True), failed
+    assert failed["job_id"] == f"{jobset.manifest['metadata']['namespace']}/{jobset.name}", failed
     assert not (jobset.run_dir / "result.json").exists()
 
 
@@ -393,6 +398,60 @@ def test_bad_pod_environment_exits_2(tmp_path: Path, drop: tuple[str, ...], set_
     assert proc.returncode == EXIT_BAD_INPUT, proc.stdout + proc.stderr
     assert said in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert not (jobset.run_dir / "attempts.jsonl").exists()
+
+
+def test_a_resubmitted_jobset_s_attempt_is_not_its_predecessor_s(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A resubmitted JobSet has the old one's name and restarts from 0 again: its attempt differs by the
+    submission number, so the `hung.` file of the old JobSet's hung attempt 0 does not kill the new one's ranks."""
+    env = {"GPUJOBS_NNODES": "2", "JOB_COMPLETION_INDEX": "1", "GPUJOBS_RANKS_PER_NODE": "1", "MASTER_PORT": "29500",
+           "MASTER_ADDR": "rec-0a1b2c3d-node-0-0.rec-0a1b2c3d", "GPUJOBS_JOBSET": "rec-0a1b2c3d"}
+    attempts = []
+    for submission in ("1", "2"):  # what the pods of the first JobSet and of its resubmission run as
+        monkeypatch.setenv("SUBMITIT_LOCAL_JOB_ID", read_place({**env, "GPUJOBS_SUBMISSION": submission}).attempt_id)
+        attempts.append(instance())
+    old, new = attempts
+    assert old != new and read_place(env).attempt_id == "rec-0a1b2c3d-1-0"  # a JobSet rendered before: the first
+    (tmp_path / HEARTBEAT_DIR).mkdir()
+    request_path(tmp_path, old, "hung").write_text("hung\n")  # pod 0 of the old JobSet found its attempt 0 hung
+    rank = subprocess.Popen(["sleep", "60"])
+    try:
+        PodWatch(tmp_path, new, {1: rank.pid}).tick()  # pod 1 of the new JobSet, attempt 0
+        with pytest.raises(subprocess.TimeoutExpired):
+            rank.wait(timeout=1)
+        PodWatch(tmp_path, old, {1: rank.pid}).tick()  # the old attempt's own pod obeys it
+        assert rank.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        rank.kill()
+        rank.wait()
+
+
+def test_ranks_still_running_at_the_time_limit_are_killed_and_the_attempt_is_a_timeout(tmp_path: Path) -> None:
+    """A rank that never reaches the stop's vote (here: stopped) would run on past `cluster.time` in a pod, where
+    nothing else ends it: the supervisor kills the pod's ranks when the limit is up, and pod 0 records
+    `timeout` (its budget), not a failure of the node."""
+    stop = StopSignals()
+    stop.deadline = time.time() + 1.5
+    ranks = [subprocess.Popen(["sleep", "60"]) for _ in range(2)]
+    os.kill(ranks[1].pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        codes = wait_ranks(ranks, stop, PodWatch(tmp_path, "local:js-1-0", {}))
+        assert codes == [-signal.SIGKILL, -signal.SIGKILL] and stop.killed_at_limit
+        assert 1.0 < time.monotonic() - started < 20
+    finally:
+        for rank in ranks:
+            rank.kill()
+            rank.wait()
+    job = compose_job("+experiment=rec", "cluster=kubernetes", "cluster.volume.claim=c",
+                      f"cluster.volume.mount_path={tmp_path}", "container=podman", "container.image=x",
+                      "cluster.max_timeouts=1")
+    place = read_place({"GPUJOBS_NNODES": "1", "JOB_COMPLETION_INDEX": "0", "GPUJOBS_RANKS_PER_NODE": "2",
+                        "MASTER_PORT": "29500", "MASTER_ADDR": "js-node-0-0.js", "GPUJOBS_JOBSET": "js"})
+    code = record_node0(job, AttemptLog(tmp_path), 0, time.time() - 2, codes, place, timed_out=True)
+    (line,) = AttemptLog(tmp_path).read()
+    assert (line.reason, line.requeue, code) == ("timeout", True, EXIT_REQUEUED), line
+    assert "time limit (cluster.time) was up" in (line.error or "") and line.node is None, line
 
 
 def test_run_dir_held_by_another_jobset_stands_down(tmp_path: Path) -> None:

@@ -26,6 +26,7 @@ from gpujobs.backends import backend_named
 from gpujobs.backends.kubernetes import jobset as js
 from gpujobs.config import kube_names as kube
 from gpujobs.rank.metrics import MetricsLog
+from gpujobs.rundir.files import record_cancel, record_submission
 from gpujobs.rundir.records import CheckpointRecord, TrainRecord
 
 CRD = Path(__file__).parent / "data" / "k8s" / "jobset-v0.12.0.jobsets.crd.yaml"
@@ -316,6 +317,32 @@ def test_the_jobset_name_is_a_dns_label_that_leaves_room_for_pod_hostnames() -> 
     assert kube.DNS_LABEL.fullmatch(name) and name[0].isalpha()
     assert len(f"{name}-{js.REPLICATED_JOB}-0-99999") <= 63
     assert name != js.jobset_name(job, Path(MOUNT) / "y")
+
+
+def test_each_submission_of_a_run_dir_is_numbered_in_its_pods_environment(tmp_path: Path) -> None:
+    """The pods of a resubmission know they are not the first JobSet of that name (`gpujobs.attempt.pod`)."""
+    job = compose_job(*KUBE)
+    run_dir = Path(MOUNT) / "runs" / "numbered"
+
+    def number(where: Path) -> list[str]:
+        spec = js.jobset(job, where)["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+        return [item["value"] for item in spec["containers"][0]["env"] if item["name"] == js.SUBMISSION_ENV]
+
+    assert number(run_dir) == ["1"]
+    here = tmp_path / "run"
+    here.mkdir()
+    record_submission(here, "ml/rec-0a1b2c3d", here / "submitit", cluster="kubernetes")
+    record_cancel(here, "ml/rec-0a1b2c3d", cluster="kubernetes")  # a cancel is no submission
+    assert number(here) == ["2"]
+
+
+def test_a_run_dir_reached_through_a_symlink_is_the_same_jobset(tmp_path: Path) -> None:
+    """One run dir, one JobSet name, whichever path to it the submit was given (its lease is the same)."""
+    job = compose_job(*KUBE)
+    (tmp_path / "runs" / "rec").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(tmp_path / "runs")
+    assert js.jobset_name(job, tmp_path / "link" / "rec") == js.jobset_name(job, tmp_path / "runs" / "rec")
+    assert js.jobset_name(job, tmp_path / "link" / "rec") != js.jobset_name(job, tmp_path / "runs" / "other")
 
 
 def test_a_kubernetes_key_with_another_cluster_is_refused_not_ignored(tmp_path: Path) -> None:

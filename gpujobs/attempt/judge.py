@@ -8,9 +8,11 @@ supervisor's words. `judge` walks one ladder over them, first match wins:
 
 1. rank 0 wrote the attempt's line: it stands (the supervisor writes none);
 2. the watchdog found it hung (and killed it): `hung`, naming the culprit;
-3. every rank exited 0: `completed` (a script job's line is the supervisor's: `record_completed`);
-4. every rank left how it ended: the first failure (`failed`), else a stop a rank was told of;
-5. else `failed`, with the supervisor's words (a rank that was killed leaves nothing).
+3. the supervisor killed ranks that still ran when the time limit was up (a pod's: nothing else enforces
+   `cluster.time` there): `timeout`;
+4. every rank exited 0: `completed` (a script job's line is the supervisor's: `record_completed`);
+5. every rank left how it ended: the first failure (`failed`), else a stop a rank was told of;
+6. else `failed`, with the supervisor's words (a rank that was killed leaves nothing).
 
 `record_verdict` writes the verdict's line, once, through `record_attempt` (which requeues a Slurm job
 within the budgets), and says whether another attempt may follow.
@@ -54,6 +56,8 @@ class AttemptEnd:
     """The node of a crash the supervisor saw (srun's first task that ended badly)."""
     script: bool = False
     """A script job: its `completed` line is the supervisor's, once every rank exited 0."""
+    timed_out: bool = False
+    """The supervisor killed ranks that still ran when the attempt's time limit was up."""
 
 
 @dataclass(frozen=True)
@@ -79,6 +83,8 @@ def judge(end: AttemptEnd) -> Verdict:
         fields = end.hang.attempt_fields()  # where it began comes from the heartbeats
         return Verdict("hung", fields["error"], {"world_size": end.ranks, **fields})
     started = {"start": round(end.started, 3), "world_size": end.ranks}
+    if end.timed_out:
+        return Verdict("timeout", end.error, {**started, "error": end.error})
     if end.exited_ok:
         return Verdict("completed", "", {**started, "script_exit": 0} if end.script else None)
     if end.left is not None:

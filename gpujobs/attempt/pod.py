@@ -26,9 +26,11 @@ that another JobSet or a local job holds is left alone, exit 2. Exit codes: 0 th
 `EXIT_REQUEUED` (75) the ranks stopped to go again; 2 refused input or a busy run dir; 1 anything else
 (the JobSet restarts for anything but 2, counted against `maxRestarts` unless the pod was evicted).
 The attempt's time limit is `cluster.time`: `cluster.signal_lead_s` before it, the supervisor stops the ranks
-as SIGTERM does, and they record `timeout`. Where the ledger says no attempt may follow (the budget of its
-reason spent: `cluster.max_preemptions`, `max_timeouts`, `max_restarts`), every pod that knows it exits 2,
-so the JobSet fails at once instead of restarting. Pod 0's supervisor runs the hang watchdog over every rank
+as SIGTERM does, and they record `timeout`; ranks that still run when it is up (one stopped or stuck short of
+the stop's vote) are killed, as Slurm kills a job at its limit, and pod 0 records `timeout` for them. Where
+the ledger says no attempt may follow (the budget of its reason spent: `cluster.max_preemptions`,
+`max_timeouts`, `max_restarts`), every pod that knows it exits 2, so the JobSet fails at once instead of
+restarting. Pod 0's supervisor runs the hang watchdog over every rank
 (`pod_hangs`): a hung attempt's evidence is kept, its ranks killed in every pod, and it is recorded `hung`.
 """
 
@@ -56,7 +58,7 @@ from gpujobs.attempt.hangs import HangReport
 from gpujobs.attempt.judge import AttemptEnd, judge, record_verdict
 from gpujobs.attempt.local import parent_if_catching
 from gpujobs.attempt.pod_hangs import PodWatch
-from gpujobs.attempt.preemption import EXIT_REQUEUED
+from gpujobs.attempt.preemption import EXIT_REQUEUED, JOB_ID_ENV
 from gpujobs.attempt.program import FROM_RUN_DIR, RankProgram
 from gpujobs.attempt.rank_output import RankOutput
 from gpujobs.backends.kubernetes import LEASE_HOLDER
@@ -98,6 +100,7 @@ class PodPlace:
     master_port: int
     jobset: str
     restart: int
+    submission: int
 
     @property
     def world(self) -> int:
@@ -106,8 +109,9 @@ class PodPlace:
 
     @property
     def attempt_id(self) -> str:
-        """This attempt's submitit job id, the same in every pod of it: the JobSet and its restart."""
-        return f"{self.jobset}-{self.restart}"
+        """This attempt's submitit job id, the same in every pod of it and in no other attempt of the run dir:
+        the JobSet, its submission (a resubmitted JobSet has the same name) and its restart."""
+        return f"{self.jobset}-{self.submission}-{self.restart}"
 
     def global_rank(self, local: int) -> int:
         """Local rank `local`'s rank in the job."""
@@ -146,13 +150,14 @@ def read_place(env: dict[str, str]) -> PodPlace:
     per_node = _count(env, js.RANKS_PER_NODE_ENV, 1)
     port = _count(env, "MASTER_PORT", 1, 65535)
     restart = _count(env, js.RESTART_ENV, 0, default="0")
+    submission = _count(env, js.SUBMISSION_ENV, 1, default="1")  # a JobSet rendered before it was said
     for key in ("MASTER_ADDR", js.JOBSET_ENV):
         if not env.get(key, "").strip():
             raise ConfigError(key, env.get(key), "a host name (the pod's environment, as the JobSet renders it)")
     name = env[js.JOBSET_ENV]
     if not all(c.isalnum() or c == "-" for c in name):
         raise ConfigError(js.JOBSET_ENV, name, "a JobSet's name: a DNS label")
-    return PodPlace(index, nodes, per_node, env["MASTER_ADDR"], port, name, restart)
+    return PodPlace(index, nodes, per_node, env["MASTER_ADDR"], port, name, restart, submission)
 
 
 def check_shape(job: JobConfig, place: PodPlace) -> None:
@@ -173,6 +178,10 @@ class StopSignals:
     def __init__(self) -> None:
         self.asked = False
         self.limit_at: Optional[float] = None
+        self.deadline: Optional[float] = None
+        """The time limit itself (`cluster.time` after the start): ranks still running then are killed, as Slurm
+        kills a job at its limit (a rank that never reaches the stop's vote, stopped or stuck, would run on)."""
+        self.killed_at_limit = False
         self._told: set[int] = set()
 
     def install(self) -> StopSignals:
@@ -241,11 +250,18 @@ def start_ranks(folder: Path, place: PodPlace, output: RankOutput) -> list[subpr
 
 def wait_ranks(ranks: list[subprocess.Popen[bytes]], stop: StopSignals, watch: PodWatch) -> list[int]:
     """Wait for every rank, passing a stop on and ticking the hang watch; once one failed, the rest get
-    `_FAIL_GRACE_S`, then SIGKILL. Returns their exit codes (negative: the signal that killed one)."""
+    `_FAIL_GRACE_S`, then SIGKILL, as do all at the time limit (`stop.deadline`). Returns their exit codes
+    (negative: the signal that killed one)."""
     failed_at: Optional[float] = None
     while any(proc.poll() is None for proc in ranks):
         stop.forward(ranks)
         watch.tick()
+        if stop.deadline is not None and time.time() >= stop.deadline:
+            print("gpujobs: the attempt's time limit (cluster.time) is up and ranks of this pod still run: killed",
+                  file=sys.stderr, flush=True)
+            stop.killed_at_limit = True
+            kill_tree([proc.pid for proc in ranks if proc.poll() is None])
+            break
         if failed_at is None and any(proc.returncode not in (None, 0, EXIT_REQUEUED) for proc in ranks):
             failed_at = time.monotonic()
         if failed_at is not None and time.monotonic() - failed_at > _FAIL_GRACE_S:
@@ -275,16 +291,18 @@ def pod_exit(codes: list[int]) -> int:
 
 
 def record_node0(job: JobConfig, ledger: AttemptLog, before: int, started: float, codes: list[int],
-                 place: PodPlace, hang: Optional[HangReport] = None) -> int:
-    """Pod 0 judges the attempt as the Slurm batch step does, and writes its line where rank 0 wrote none;
-    returns the pod's exit code."""
+                 place: PodPlace, hang: Optional[HangReport] = None, *, timed_out: bool = False) -> int:
+    """Pod 0 judges the attempt as the Slurm batch step does, and writes its line where rank 0 wrote none
+    (`timed_out`: this pod killed its ranks at the time limit); returns the pod's exit code."""
     history = ledger.read()
     ok = all(code == 0 for code in codes)
+    said = (f"ranks still ran when the time limit (cluster.time) was up and were killed: {describe(codes, place)}"
+            if timed_out else f"the ranks recorded nothing: {describe(codes, place)}")
     end = AttemptEnd(
         ranks=place.world, started=started, exited_ok=ok, recorded=history[-1] if len(history) > before else None,
         hang=hang, left=failures.left_outcome(ledger.run_dir, place.world, instance()) if not ok else None,
-        error=f"the ranks recorded nothing: {describe(codes, place)}",
-        node=socket.gethostname() if any(code < 0 for code in codes) else None, script=job.script is not None,
+        error=said, node=socket.gethostname() if any(code < 0 for code in codes) and not timed_out else None,
+        script=job.script is not None, timed_out=timed_out,
     )
     verdict = judge(end)
     decision = record_verdict(ledger, job, verdict, recorded_by="supervisor")
@@ -341,6 +359,7 @@ def prepare(folder: Path, run_dir: Path, place: PodPlace) -> Attempt:
     train_dir = task.training_dir(run_dir, place.jobset)
     take_run_dir(train_dir, place, job.cluster.namespace)
     os.environ["SUBMITIT_LOCAL_JOB_ID"] = place.attempt_id  # `instance()`: the attempt's files are this one's
+    os.environ[JOB_ID_ENV] = job_id_of(job.cluster.namespace, place.jobset)  # what the attempts' lines name
     write_payload(folder, job, train_dir, place)
     return Attempt(job, folder, train_dir, place, len(AttemptLog(train_dir).read()))
 
@@ -354,7 +373,8 @@ def supervise(attempt: Attempt, stop: StopSignals) -> int:
           f"{place.index * place.per_node}-{(place.index + 1) * place.per_node - 1} of {place.world}, "
           f"rendezvous {place.master_addr}:{place.master_port}, run dir {attempt.train_dir}", flush=True)
     started = time.time()
-    stop.limit_at = started + attempt.job.cluster.timeout_min * 60 - attempt.job.cluster.signal_lead_s
+    stop.deadline = started + attempt.job.cluster.timeout_min * 60
+    stop.limit_at = stop.deadline - attempt.job.cluster.signal_lead_s
     output = RankOutput(attempt.folder, place.jobset)
     ranks = start_ranks(attempt.folder, place, output)
     watch = PodWatch.for_pod(attempt.train_dir, attempt.job, place.world, instance(), attempt.before + 1,
@@ -366,7 +386,8 @@ def supervise(attempt: Attempt, stop: StopSignals) -> int:
         return other_pod_exit(AttemptLog(attempt.train_dir), attempt.before, codes)
     withdraw_left_target(attempt.train_dir)  # the ranks are gone: a target rank 0 could not withdraw goes too
     hang = watch.watchdog.report if watch.watchdog is not None else None
-    return record_node0(attempt.job, AttemptLog(attempt.train_dir), attempt.before, started, codes, place, hang)
+    return record_node0(attempt.job, AttemptLog(attempt.train_dir), attempt.before, started, codes, place, hang,
+                        timed_out=stop.killed_at_limit)
 
 
 def main(argv: Optional[list[str]] = None) -> None:

@@ -3,7 +3,7 @@
 The ranks' heartbeats lie in the run dir, on the volume every pod mounts, so pod 0's supervisor watches all
 of them with the watchdog the local launcher and the Slurm supervisor run (`HangWatchdog`). No pod can signal
 another's processes, so the rest goes through two files of the run dir's heartbeat dir, both named for the
-attempt (`instance()`: the JobSet's name and restart):
+attempt (`instance()`: the JobSet's name, submission and restart):
 - `stacks-request.<instance>`: pod 0 asks for the stacks of the ranks it cannot reach; each other pod's
   supervisor has its own ranks write them (`evidence.ask_local_stacks`: a stopped rank continued alone),
   into their stacks files, which pod 0 reads from the volume as it reads its own ranks'.

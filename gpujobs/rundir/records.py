@@ -47,7 +47,7 @@ class Attempt:
     """When it ended (epoch seconds)."""
     start: Optional[float] = None
     job_id: Optional[str] = None
-    """The Slurm job id (None for local runs)."""
+    """The job's id: Slurm's, or a JobSet's NAMESPACE/NAME (None for local runs)."""
     start_step: Optional[int] = None
     steps_done: Optional[int] = None
     resumed_from: Optional[str] = None

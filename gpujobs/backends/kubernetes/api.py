@@ -44,7 +44,12 @@ Object = dict[str, Any]
 
 
 class KubernetesApiError(SchedulerError):
-    """The Kubernetes API could not answer: the kubeconfig, the connection, or the API's refusal (one line)."""
+    """The Kubernetes API could not answer: the kubeconfig, the connection, or the API's refusal (one line).
+    `refused`: the API server refused this user (401, 403), which asking again will not change."""
+
+    def __init__(self, message: str, *, refused: bool = False) -> None:
+        super().__init__(message)
+        self.refused = refused
 
 
 def kubeconfig_files() -> list[Path]:
@@ -136,12 +141,14 @@ class ClusterApi:
         return list((answer or {}).get("items") or [])
 
     def delete_jobset(self, namespace: str, name: str) -> bool:
-        """Delete the JobSet `namespace/name` and, in the background, its Jobs and pods (the pods get SIGTERM
-        and their grace period); False if there was none (RBAC: delete jobsets)."""
+        """Delete the JobSet `namespace/name` with its Jobs and pods; False if there was none (RBAC: delete
+        jobsets). Foreground: the JobSet stays, with a `deletionTimestamp`, until its pods are gone (they get
+        SIGTERM and their grace period to save), so that while any pod may still write to the run dir the
+        JobSet is there to say so; a background deletion would remove it at once."""
         answer = self._call(f"JobSet {namespace}/{name}", f"delete {JOBSETS}.{JOBSET_GROUP}", "delete",
                             self._custom.delete_namespaced_custom_object,
                             JOBSET_GROUP, JOBSET_VERSION, namespace, JOBSETS, name,
-                            propagation_policy="Background")
+                            propagation_policy="Foreground")
         return answer is not None
 
     def _get(self, what: str, rbac: str, read: Callable[..., Any], *args: Any, **kwargs: Any) -> Optional[Object]:
@@ -158,8 +165,10 @@ class ClusterApi:
         except ApiException as err:
             if err.status == 404 and absent_is_none:
                 return None
-            needs = f" (it needs RBAC {rbac}: docs/guides/kubernetes.md)" if err.status in (401, 403) else ""
-            raise KubernetesApiError(f"{self.host} could not {verb} {what}: {status_message(err)}{needs}") from None
+            refused = err.status in (401, 403)
+            needs = f" (it needs RBAC {rbac}: docs/guides/kubernetes.md)" if refused else ""
+            raise KubernetesApiError(f"{self.host} could not {verb} {what}: {status_message(err)}{needs}",
+                                     refused=refused) from None
         except (urllib3.exceptions.HTTPError, OSError) as err:
             reason = getattr(err, "reason", None) or err
             raise KubernetesApiError(one_line(f"cannot reach the Kubernetes API at {self.host} to {verb} {what}: "

@@ -5,8 +5,11 @@ Its state is read from what the JobSet controller and Kueue write:
 - `COMPLETED` or `FAILED`: its terminal state (or the `Completed`/`Failed` condition);
 - `PENDING`: suspended (Kueue holds a JobSet suspended until its queue admits it, and suspends it again
   when it preempts it);
+- `STOPPING`: being deleted (`gpujobs cancel`, a resubmission, or by hand). gpujobs deletes in the foreground,
+  so the JobSet stays until its pods are gone: they get SIGTERM and their grace period to save the agreed
+  checkpoint, and meanwhile the run dir's lease stays theirs;
 - `RUNNING` otherwise.
-A JobSet that was deleted (`gpujobs cancel`, or by hand) has no state: the run dir's files speak for it.
+A JobSet that was deleted has no state: the run dir's files speak for it.
 
 The JobSet's name is the same for every submission of a run dir (`jobset.jobset_name`): its pods hold the run
 dir's lease under it. So a resubmission first deletes the ended JobSet of that name, and waits until it is gone.
@@ -37,10 +40,13 @@ LEASE_HOLDER = "kubernetes"
 FINAL = frozenset({"COMPLETED", "FAILED", "CANCELLED"})
 FAILED = frozenset({"FAILED"})
 CANCELLED = "CANCELLED"
+STOPPING = "STOPPING"
 #: Why `cancel` found no JobSet to delete (`already_ended` reads it).
 GONE = "no such JobSet (it was deleted, or never created)"
-#: How long a resubmission waits for the ended JobSet of the same name to be deleted.
+#: How long a resubmission waits for the old JobSet of the same name to be gone, beyond its pods' grace period.
 DELETE_WAIT_S = 60.0
+#: terminationGracePeriodSeconds where a pod template does not say (Kubernetes' default).
+DEFAULT_GRACE_S = 30
 #: The longest pause between two reads of a followed JobSet's state (the first pauses are shorter).
 FOLLOW_EVERY_S = 10.0
 
@@ -83,6 +89,8 @@ def connected() -> Iterator[ClusterApi]:
 
 def state_of(jobset: dict[str, Any]) -> str:
     """A JobSet's state, in the words `gpujobs status` shows (see the module docstring)."""
+    if (jobset.get("metadata") or {}).get("deletionTimestamp"):
+        return STOPPING
     status = jobset.get("status") or {}
     true = {c.get("type") for c in status.get("conditions") or [] if c.get("status") == "True"}
     terminal = status.get("terminalState")
@@ -118,22 +126,37 @@ def submit_jobset(job: JobConfig, run_dir: Path) -> str:
 
 
 def _create(api: ClusterApi, body: dict[str, Any], job_id: str) -> None:
-    """Create `body`; where an ended JobSet of its name is still there (a resubmission), delete it first."""
+    """Create `body`; where an ended JobSet of its name is still there (a resubmission), delete it first, and
+    wait until it is gone: its pods' grace period, and `DELETE_WAIT_S` more."""
     namespace, name = split_id(job_id)
     old = api.jobset(namespace, name)
     if old is not None:
         state = state_of(old)
-        if state not in FINAL:  # the run dir's lease would have said so, unless someone removed it
+        if state not in FINAL | {STOPPING}:  # the run dir's lease would have said so, unless someone removed it
             raise SubmitError(f"JobSet {job_id} is {state}: it still runs this run dir (gpujobs cancel, then "
                               "resubmit)")
-        api.delete_jobset(namespace, name)
-        deadline = time.monotonic() + DELETE_WAIT_S
+        if state != STOPPING:
+            api.delete_jobset(namespace, name)
+        wait_s = grace_period_of(old) + DELETE_WAIT_S
+        deadline = time.monotonic() + wait_s
         while api.jobset(namespace, name) is not None:
             if time.monotonic() > deadline:
-                raise SubmitError(f"JobSet {job_id} ({state}) was not gone {DELETE_WAIT_S:.0f} s after its "
+                raise SubmitError(f"JobSet {job_id} ({state}) was not gone {wait_s:.0f} s after its "
                                   "deletion: resubmit once `kubectl get jobset` no longer lists it")
             time.sleep(1.0)
     api.create_jobset(body)
+
+
+def grace_period_of(jobset: dict[str, Any]) -> int:
+    """The longest terminationGracePeriodSeconds of the JobSet's pod templates: how long its pods may take to
+    stop once deleted."""
+    graces = []
+    for replicated in (jobset.get("spec") or {}).get("replicatedJobs") or []:
+        pod = replicated
+        for key in ("template", "spec", "template", "spec"):  # the Job template's pod template's spec
+            pod = pod.get(key) or {}
+        graces.append(int(pod.get("terminationGracePeriodSeconds", DEFAULT_GRACE_S)))
+    return max(graces, default=DEFAULT_GRACE_S)
 
 
 def states(job_ids: Sequence[str]) -> dict[str, str]:
@@ -195,12 +218,19 @@ def liveness(job_id: str) -> tuple[bool, str]:
 
 def follow(job_id: str) -> int:
     """Say the JobSet's state each time it changes, until it ends; 0 only if it completed. The reads come
-    after 1, 2, 4 ... seconds, then every `FOLLOW_EVERY_S`."""
+    after 1, 2, 4 ... seconds, then every `FOLLOW_EVERY_S`. An API server that cannot answer now (restarting,
+    a network blip) is asked again; one that refuses this user (401, 403), or a kubeconfig gone, ends the
+    follow with a line and 1 (the JobSet runs on: `gpujobs status` tells its end)."""
+    from gpujobs.backends.kubernetes.api import KubernetesApiError
+
     said, pause = "", 1.0
     while True:
         try:
             state = states([job_id]).get(job_id, CANCELLED)  # gone: deleted, by `gpujobs cancel` or by hand
-        except SchedulerError as err:  # the API server restarting, a network blip: the JobSet runs on
+        except SchedulerError as err:
+            if not isinstance(err, KubernetesApiError) or err.refused:
+                print(f"gpujobs: JobSet {job_id}: cannot follow it: {err}", file=sys.stderr, flush=True)
+                return 1
             state = f"unknown ({err})"
         if state != said:
             print(f"gpujobs: JobSet {job_id}: {state}", file=sys.stderr, flush=True)

@@ -33,6 +33,7 @@ from gpujobs.backends.container_words import CONTAINER_PYTHON
 from gpujobs.base.nvml import CUDA_ORDER_ENV
 from gpujobs.config.kube_names import quantity
 from gpujobs.config.load import JobConfig
+from gpujobs.rundir.files import read_submissions
 from gpujobs.rundir.records import CheckpointRecord, TrainRecord, read_metrics
 
 API_VERSION = "jobset.x-k8s.io/v1alpha2"
@@ -51,6 +52,9 @@ RANKS_PER_NODE_ENV = "GPUJOBS_RANKS_PER_NODE"
 #: every pod's annotation `RESTART_ANNOTATION` (0, then one more at each restart of the whole set).
 JOBSET_ENV = "GPUJOBS_JOBSET"
 RESTART_ENV = "GPUJOBS_RESTART_ATTEMPT"
+#: Which submission of the run dir the JobSet is (1, 2, ...): a resubmitted JobSet has the old one's name and
+#: restarts from 0 again, so the attempt's files (`hung.<attempt>`, heartbeats, submitit's) need this to differ.
+SUBMISSION_ENV = "GPUJOBS_SUBMISSION"
 RESTART_ANNOTATION = "jobset.sigs.k8s.io/restart-attempt"
 MASTER_PORT = 29500
 #: Exit code 2: refused input (a bad value, a busy run dir); retrying cannot help.
@@ -66,9 +70,9 @@ _NOT_NAME = re.compile(r"[^a-z0-9-]+")
 
 
 def jobset_name(job: JobConfig, run_dir: Path) -> str:
-    """The JobSet's name: the job's name as a DNS-1035 label, and 8 hex digits of the run dir's path (two run
-    dirs of one experiment are two JobSets; the same run dir is always the same one)."""
-    digest = hashlib.sha256(str(run_dir).encode()).hexdigest()[:8]
+    """The JobSet's name: the job's name as a DNS-1035 label, and 8 hex digits of the run dir's resolved path
+    (two run dirs of one experiment are two JobSets; the same run dir, by any path, is always the same one)."""
+    digest = hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:8]
     base = _NOT_NAME.sub("-", job.name.lower()).strip("-")
     if not base[:1].isalpha():
         base = f"gpujobs-{base}".rstrip("-")
@@ -81,12 +85,18 @@ def pod_command(job: JobConfig, run_dir: Path) -> list[str]:
     return [CONTAINER_PYTHON, "-u", "-m", POD_MODULE, "--folder", str(folder), str(run_dir)]
 
 
-def pod_env(job: JobConfig, name: str) -> list[dict[str, Any]]:
-    """The pods' environment: the JobSet, the node count and ranks a node, the rendezvous, NCCL's settings;
-    the restart attempt from the pod's annotation (the downward API)."""
+def submission_number(run_dir: Path) -> int:
+    """The number the run dir's next submission will have: one more than the submissions it recorded."""
+    return 1 + sum(1 for submission in read_submissions(run_dir) if submission.submitted is not None)
+
+
+def pod_env(job: JobConfig, name: str, submission: int) -> list[dict[str, Any]]:
+    """The pods' environment: the JobSet and its submission number, the node count and ranks a node, the
+    rendezvous, NCCL's settings; the restart attempt from the pod's annotation (the downward API)."""
     res = job.resources
     env = {
         JOBSET_ENV: name,
+        SUBMISSION_ENV: str(submission),
         NNODES_ENV: str(res.nodes),
         RANKS_PER_NODE_ENV: str(res.ranks_per_node),
         "MASTER_ADDR": f"{name}-{REPLICATED_JOB}-0-0.{name}",
@@ -135,7 +145,7 @@ def pod_spec(job: JobConfig, run_dir: Path, name: str) -> dict[str, Any]:
         "image": job.container.image,
         "command": pod_command(job, run_dir),
         "workingDir": job.container.workdir or str(run_dir),
-        "env": pod_env(job, name),
+        "env": pod_env(job, name, submission_number(run_dir)),
         "resources": container_resources(job),
         "volumeMounts": [{"name": "run-dir", "mountPath": volume.mount_path},
                          {"name": "dshm", "mountPath": "/dev/shm"}],
