@@ -227,6 +227,8 @@ def test_gzip_file_gives_the_same_columns_as_plain(tmp_path: Path) -> None:
 GOOD = _criteo_line("0", ["1"] * 13, ["ab"] * 26)
 BAD_LINES = [
     pytest.param(b"1\t2\t3\n", "expected 40 tab-separated fields .* got 3", id="columns"),
+    pytest.param(_criteo_line("1", ["0"] * 13, ["a"] * 27).encode(), "expected 40 tab-separated fields .* got 41",
+                 id="41-fields"),
     pytest.param(b"\n", "expected 40 tab-separated fields .* got 1", id="empty-line"),
     pytest.param(_criteo_line("2", ["0"] * 13, [""] * 26).encode(), "label '2' is not 0 or 1", id="label"),
     pytest.param(_criteo_line("", ["0"] * 13, [""] * 26).encode(), "label '' is not 0 or 1", id="no-label"),
@@ -239,6 +241,12 @@ BAD_LINES = [
                  id="float-count"),
     pytest.param(("1" + "\t0" * 13 + "\t\xff" * 26 + "\n").encode("latin-1"), "not UTF-8 text", id="not-utf8"),
 ]
+
+
+@pytest.mark.parametrize(("bad_line", "message"), BAD_LINES)
+def test_the_compiled_pass_leaves_every_damaged_line_to_the_line_rules(bad_line: bytes, message: str) -> None:
+    """A damaged line anywhere in a block sends the whole block the careful way, which names it."""
+    assert CriteoParser(hash_buckets=10)._fast_block(PLAIN * 2 + bad_line + PLAIN) is None
 
 
 @pytest.mark.parametrize("gz", [False, True], ids=["plain", "gz"])

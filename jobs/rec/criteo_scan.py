@@ -104,10 +104,11 @@ def scan_block(data: np.ndarray, hash_buckets: int, crc_table: np.ndarray, log1p
             if column < 25:
                 if pos == end or data[pos] != _TAB:
                     return -1
-            elif pos < end and data[pos] == _RETURN:  # "\r\n" or a last "\r": read_criteo_tsv strips it
-                pos += 1
+            else:
+                if pos < end and data[pos] == _RETURN:  # "\r\n" or a last "\r": read_criteo_tsv strips it
+                    pos += 1
                 if pos < end and data[pos] != _LINE_FEED:
-                    return -1  # a "\r" inside the line is data: the line rules keep it
+                    return -1  # a 41st field, or a "\r" inside the line (data, which the line rules keep)
             pos += 1  # past the tab or the line end (or past the end of the block)
             sparse[row, column] = 0 if length == 0 else 1 + (crc ^ 0xFFFFFFFF) % hash_buckets
         row += 1
