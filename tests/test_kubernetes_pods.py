@@ -30,8 +30,9 @@ import pytest
 import yaml
 from conftest import REPO, compose_job, missing, read_result, submit
 
-from gpujobs.attempt.pod import StopSignals, other_pod_exit, read_place, record_node0, wait_ranks
+from gpujobs.attempt.pod import StopSignals, other_pod_exit, record_node0, wait_ranks
 from gpujobs.attempt.pod_hangs import PodWatch, request_path
+from gpujobs.attempt.pod_place import read_place
 from gpujobs.base.process import alive
 from gpujobs.rundir import HEARTBEAT_DIR, lease
 from gpujobs.rundir.attempts import AttemptLog
@@ -281,6 +282,30 @@ def test_sigterm_to_every_pod_checkpoints_and_the_rerun_resumes(tmp_path: Path, 
                             text=True, env={**os.environ, "COLUMNS": "200"}, timeout=60)
     assert status.returncode == 0, status.stderr
     assert "completed (files)" in status.stdout and "2 (completed) world 4→4" in status.stdout, status.stdout
+
+
+def test_an_evicted_pod_exits_before_the_pod_that_only_stopped_with_it(tmp_path: Path,
+                                                                       started: list[subprocess.Popen[str]]) -> None:
+    """SIGTERM to pod 1 alone (an eviction): every rank stops at an agreed checkpoint, both pods exit 75, and
+    pod 0, which got no SIGTERM, exits seconds after pod 1. The JobSet's failure policy judges the Job that
+    failed first (to the second), and only the evicted pod's restarts the set uncounted. (No JobSet controller
+    runs here: the order is what this test holds.)"""
+    _can_emulate()
+    jobset = JobSet(tmp_path)
+    pods = jobset.start(started)
+    jobset.wait_for_step(SIGNAL_AFTER, pods)
+    pods[1].terminate()
+    ended: dict[int, float] = {}
+    deadline = time.monotonic() + 120
+    while len(ended) < len(pods) and time.monotonic() < deadline:
+        for index, pod in enumerate(pods):
+            if index not in ended and pod.proc.poll() is not None:
+                ended[index] = time.monotonic()
+        time.sleep(0.05)
+    assert [pod.wait(timeout=1) for pod in pods] == [EXIT_REQUEUED, EXIT_REQUEUED], [pod.output() for pod in pods]
+    assert ended[0] - ended[1] >= 4.0, ended  # _SPARED_EXIT_LAG_S, less the poll
+    (stopped,) = jobset.attempts()
+    assert (stopped["reason"], stopped["requeue"]) == ("preempted", True), stopped
 
 
 def test_the_time_limit_stops_the_pods_and_a_spent_budget_fails_the_jobset(

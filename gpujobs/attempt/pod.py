@@ -19,7 +19,9 @@ SIGTERM (a Kubernetes eviction, a Kueue preemption; only the container's first p
 path USR2 takes on Slurm: every rank gets USR2 (once it catches it), they agree on a stop, save one
 checkpoint and exit; rank 0 records the attempt (`preempted`). Pod 0's supervisor then judges the attempt
 as the batch step does on Slurm (`gpujobs.attempt.judge`): it writes the line the ranks could not. The
-other pods' supervisors record nothing: one line per attempt.
+other pods' supervisors record nothing: one line per attempt. A pod that got no SIGTERM itself but stopped
+with an evicted one exits a few seconds after it, so that the evicted pod's Job fails first: the JobSet's
+failure policy judges that Job, and restarts for an eviction uncounted.
 
 It holds the run dir's lease for the JobSet (every pod and restart of one JobSet is one holder): a run dir
 that another JobSet or a local job holds is left alone, exit 2. Exit codes: 0 the ranks completed;
@@ -58,6 +60,7 @@ from gpujobs.attempt.hangs import HangReport
 from gpujobs.attempt.judge import AttemptEnd, judge, record_verdict
 from gpujobs.attempt.local import parent_if_catching
 from gpujobs.attempt.pod_hangs import PodWatch
+from gpujobs.attempt.pod_place import PodPlace, check_shape, read_place
 from gpujobs.attempt.preemption import EXIT_REQUEUED, JOB_ID_ENV
 from gpujobs.attempt.program import FROM_RUN_DIR, RankProgram
 from gpujobs.attempt.rank_output import RankOutput
@@ -74,8 +77,6 @@ from gpujobs.rundir.trust import check_run_dir
 
 #: Exit code of refused input and of a busy run dir: the rendered failure policy fails the JobSet on it.
 EXIT_BAD_INPUT = js.BAD_INPUT_EXIT
-#: What the Job controller sets in every pod of an Indexed Job: the pod's index (here: its node rank).
-INDEX_ENV = "JOB_COMPLETION_INDEX"
 #: submitit's job-side runner, which each rank runs (as the local executor's tasks do).
 RUNNER = ("-u", "-m", "submitit.core._submit")
 _POLL_S = 0.2
@@ -87,87 +88,10 @@ _FAIL_GRACE_S = 30.0
 _OUTPUT_TAIL_S = 10.0
 #: How long a pod but pod 0 waits for the ended attempt's ledger line (it says whether another may follow).
 _VERDICT_WAIT_S = 15.0
-
-
-@dataclass(frozen=True)
-class PodPlace:
-    """Where this pod stands in its JobSet, from its environment."""
-
-    index: int
-    nodes: int
-    per_node: int
-    master_addr: str
-    master_port: int
-    jobset: str
-    restart: int
-    submission: int
-
-    @property
-    def world(self) -> int:
-        """Ranks of the job: every pod's."""
-        return self.nodes * self.per_node
-
-    @property
-    def attempt_id(self) -> str:
-        """This attempt's submitit job id, the same in every pod of it and in no other attempt of the run dir:
-        the JobSet, its submission (a resubmitted JobSet has the same name) and its restart."""
-        return f"{self.jobset}-{self.submission}-{self.restart}"
-
-    def global_rank(self, local: int) -> int:
-        """Local rank `local`'s rank in the job."""
-        return self.index * self.per_node + local
-
-    def rank_env(self, local: int) -> dict[str, str]:
-        """Local rank `local`'s place, for submitit's local environment and torchrun's variables."""
-        rank = self.global_rank(local)
-        return {
-            "SUBMITIT_EXECUTOR": "local", "SUBMITIT_LOCAL_JOB_ID": self.attempt_id,
-            "SUBMITIT_LOCAL_NTASKS": str(self.world), "SUBMITIT_LOCAL_JOB_NUM_NODES": str(self.nodes),
-            "SUBMITIT_LOCAL_NODEID": str(self.index), "SUBMITIT_LOCAL_GLOBALID": str(rank),
-            "SUBMITIT_LOCAL_LOCALID": str(local),
-            "RANK": str(rank), "LOCAL_RANK": str(local), "WORLD_SIZE": str(self.world),
-            "LOCAL_WORLD_SIZE": str(self.per_node), "MASTER_ADDR": self.master_addr,
-            "MASTER_PORT": str(self.master_port),
-        }
-
-
-def _count(env: dict[str, str], key: str, least: int, most: Optional[int] = None, default: Optional[str] = None) -> int:
-    """Integer `env[key]` in [least, most]; ConfigError naming the key, the value and what is allowed."""
-    value = env.get(key, default)
-    allowed = f"an integer from {least}{f' to {most}' if most is not None else ''} (the pod's environment)"
-    if value is None or not value.strip().isdigit():
-        raise ConfigError(key, value, allowed)
-    number = int(value)
-    if number < least or (most is not None and number > most):
-        raise ConfigError(key, value, allowed)
-    return number
-
-
-def read_place(env: dict[str, str]) -> PodPlace:
-    """The pod's place from `env`; ConfigError (one line) for the first value missing or out of range."""
-    nodes = _count(env, js.NNODES_ENV, 1)
-    index = _count(env, INDEX_ENV, 0, nodes - 1)
-    per_node = _count(env, js.RANKS_PER_NODE_ENV, 1)
-    port = _count(env, "MASTER_PORT", 1, 65535)
-    restart = _count(env, js.RESTART_ENV, 0, default="0")
-    submission = _count(env, js.SUBMISSION_ENV, 1, default="1")  # a JobSet rendered before it was said
-    for key in ("MASTER_ADDR", js.JOBSET_ENV):
-        if not env.get(key, "").strip():
-            raise ConfigError(key, env.get(key), "a host name (the pod's environment, as the JobSet renders it)")
-    name = env[js.JOBSET_ENV]
-    if not all(c.isalnum() or c == "-" for c in name):
-        raise ConfigError(js.JOBSET_ENV, name, "a JobSet's name: a DNS label")
-    return PodPlace(index, nodes, per_node, env["MASTER_ADDR"], port, name, restart, submission)
-
-
-def check_shape(job: JobConfig, place: PodPlace) -> None:
-    """The pod's environment and the run dir's config say the same allocation (a JobSet edited by hand, or
-    rendered for another run dir, would train another world size)."""
-    res = job.resources
-    for key, value, config_key, wanted in ((js.NNODES_ENV, place.nodes, "resources.nodes", res.nodes),
-                                           (js.RANKS_PER_NODE_ENV, place.per_node, "ranks a node", res.ranks_per_node)):
-        if value != wanted:
-            raise ConfigError(key, str(value), f"{wanted}, the run dir's {config_key}")
+#: How long a pod that got no SIGTERM of its own waits before it exits to go again (75): the JobSet's failure
+#: policy judges the Job that failed first (its condition's time, to the second), so the evicted pod's Job, which
+#: the eviction rule restarts uncounted, must fail before the Jobs of the pods that only stopped with it.
+_SPARED_EXIT_LAG_S = 5.0
 
 
 class StopSignals:
@@ -177,6 +101,8 @@ class StopSignals:
 
     def __init__(self) -> None:
         self.asked = False
+        self.signalled = False
+        """This pod got SIGTERM or USR2 itself (an eviction, a Kueue preemption), not only its ranks' stop."""
         self.limit_at: Optional[float] = None
         self.deadline: Optional[float] = None
         """The time limit itself (`cluster.time` after the start): ranks still running then are killed, as Slurm
@@ -190,6 +116,7 @@ class StopSignals:
         return self
 
     def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
+        self.signalled = True
         if not self.asked:
             print(f"gpujobs: the pod got {signal.Signals(signum).name}: its ranks stop at the next step, after an "
                   "agreed checkpoint", file=sys.stderr, flush=True)
@@ -383,11 +310,15 @@ def supervise(attempt: Attempt, stop: StopSignals) -> int:
     codes = wait_ranks(ranks, stop, watch)
     output.join(_OUTPUT_TAIL_S)  # the ranks' last lines are in their files before the attempt is judged
     if place.index != 0:
-        return other_pod_exit(AttemptLog(attempt.train_dir), attempt.before, codes)
-    withdraw_left_target(attempt.train_dir)  # the ranks are gone: a target rank 0 could not withdraw goes too
-    hang = watch.watchdog.report if watch.watchdog is not None else None
-    return record_node0(attempt.job, AttemptLog(attempt.train_dir), attempt.before, started, codes, place, hang,
-                        timed_out=stop.killed_at_limit)
+        code = other_pod_exit(AttemptLog(attempt.train_dir), attempt.before, codes)
+    else:
+        withdraw_left_target(attempt.train_dir)  # the ranks are gone: a target rank 0 could not withdraw goes too
+        hang = watch.watchdog.report if watch.watchdog is not None else None
+        code = record_node0(attempt.job, AttemptLog(attempt.train_dir), attempt.before, started, codes, place,
+                            hang, timed_out=stop.killed_at_limit)
+    if code == EXIT_REQUEUED and not stop.signalled:  # stopped with an evicted pod, perhaps: it fails first
+        time.sleep(_SPARED_EXIT_LAG_S)
+    return code
 
 
 def main(argv: Optional[list[str]] = None) -> None:
