@@ -117,14 +117,14 @@ def record_attempt(run_dir: str, job: JobConfig, reason: str, *, ledger: Optiona
     its node too, but only where the job still fits without it: a crash is weaker evidence against a node
     (a bug, the OOM killer), so otherwise the job goes again with the node, and the line says so.
     """
-    slurm_job = slurm_job_id()
-    job_id = slurm_job or os.environ.get(JOB_ID_ENV) or None  # a JobSet's pods: NAMESPACE/NAME
+    slurm_id = slurm_job_id()
+    job_id = slurm_id or os.environ.get(JOB_ID_ENV) or None  # a JobSet's pods: NAMESPACE/NAME
     fields.setdefault("world_size", allocated_world_size())
     for key, value in {**job.resources.held_per_rank, **image_fields(job.container)}.items():
         fields.setdefault(key, value)
     ledger = ledger if ledger is not None else AttemptLog(Path(run_dir))
     decision = ledger.decide(job.cluster, reason)
-    slurm_job = slurm_job if backend_for(job).queues else None  # local runs record the node, exclude nothing
+    slurm_job = slurm_id if backend_for(job).queues else None  # local runs record the node, exclude nothing
     if slurm_job is None or not decision.requeue:
         return _write(ledger, reason, decision, job_id=job_id, **fields)
     with _sigterm_ignored():  # the requeue ends this instance: what follows it, the line too, must not die of that
