@@ -57,6 +57,13 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   fi
 fi
 
+# TorchRec for parallel=torchrec and `gpujobs plan` (FBGEMM's CPU build, torchrec without its CUDA pin: ~10 s
+# from pip's cache), as the README installs it
+if ! python -c 'import torchrec, fbgemm_gpu' >/dev/null 2>&1; then
+  echo "== torchrec: installing FBGEMM's CPU build and TorchRec (scripts/install-torchrec.sh cpu)"
+  bash scripts/install-torchrec.sh cpu
+fi
+
 echo "== ruff"; ruff check gpujobs jobs hydra_plugins tests bench scripts docs
 echo "== mypy"; mypy
 echo "== import-linter"; lint-imports --no-cache

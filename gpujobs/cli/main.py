@@ -1,7 +1,7 @@
 """`gpujobs COMMAND ...`: the one command; each subcommand is one of the `python -m` entry points.
 
 `gpujobs submit ...` is `python -m gpujobs.submit ...` (Hydra's flags and `-m` included),
-`gpujobs prepare ...` is `python -m gpujobs.prepare ...`,
+`gpujobs prepare ...` is `python -m gpujobs.prepare ...`, `gpujobs plan ...` is `python -m gpujobs.plan ...`,
 `gpujobs status|logs|cancel|resubmit|cost ...` is `python -m gpujobs ...`, and `gpujobs report ...` is
 `python -m gpujobs.report ...`: the same arguments, output and exit codes. A later subcommand is one more
 entry in `COMMANDS`. Only the chosen subcommand's module is imported, so `gpujobs --help` stays fast
@@ -43,6 +43,8 @@ COMMANDS: dict[str, Command] = {
     "cost": Command("where the GPU-hours went: per point and in total", "gpujobs.__main__:main", named=True),
     "report": Command("PNG plots of a run and a short text summary", "gpujobs.report:main"),
     "prepare": Command("prepare raw input files into a sample store (data.store), once", "gpujobs.prepare:main"),
+    "plan": Command("will the model fit: its sharding plan and bytes per rank, before anything runs",
+                    "gpujobs.plan:main"),
 }
 
 

@@ -222,6 +222,12 @@ class ResourcesConfig(Checked):
     """Local runs: false uses GPUs 0..gpus_per_node-1; true picks the least-loaded GPUs (NVML)."""
     min_free_gpu_mem_gb: float = field(default=0.0, metadata=bounds(ge=0))
     """Local runs with pick_gpus: a GPU needs at least this much free memory to be picked."""
+    gpu_mem_gib: Optional[float] = field(default=None, metadata=bounds(gt=0, le=2**40))
+    """Memory of one GPU in GiB, for the memory plan (`gpujobs plan`, checked at submit): null reads it from
+    NVML where the job's GPUs are this machine's; elsewhere the plan needs it to tell whether a model fits."""
+    host_mem_gib: Optional[float] = field(default=None, metadata=bounds(gt=0, le=2**40))
+    """Host memory of one node in GiB that the ranks may use, for the memory plan (null: resources.mem_gb
+    where set, else this machine's for a local job; unknown elsewhere)."""
     min_nodes: Optional[int] = field(default=None, metadata=bounds(ge=1))
     """Elastic Slurm jobs: start (and come back after a requeue) on as few as this many nodes,
     `--nodes=MIN-MAX` with MAX = nodes; the world size is read from the allocation at start (default:

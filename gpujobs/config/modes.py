@@ -83,7 +83,6 @@ class Tracker(Choice):
     mlflow = "mlflow"
 
 
-
 class Runtime(Choice):
     """`container=`: the runtime the ranks' step runs in (`none`: the submitting Python, no container)."""
 
@@ -93,3 +92,18 @@ class Runtime(Choice):
     charliecloud = "charliecloud"
     podman = "podman"
     oci = "oci"
+
+
+class Parallel(Choice):
+    """`parallel=`: how the model is spread over the ranks."""
+
+    ddp = "ddp"
+    torchrec = "torchrec"
+
+
+class TableOptimizer(Choice):
+    """`optim.table_optimizer`: the optimizer fused into the tables' backward under `parallel=torchrec`."""
+
+    rowwise_adagrad = "rowwise_adagrad"
+    adam = "adam"
+    sgd = "sgd"

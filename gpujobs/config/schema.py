@@ -27,8 +27,9 @@ from gpujobs.config.cluster import SLURM_LIMIT_CHECK_S as SLURM_LIMIT_CHECK_S
 from gpujobs.config.cluster import SLURM_MAX_SIGNAL_LEAD_S as SLURM_MAX_SIGNAL_LEAD_S
 from gpujobs.config.cluster import parse_time_minutes as parse_time_minutes
 from gpujobs.config.container import ContainerConfig
-from gpujobs.config.modes import Amp, Balance, Optimizer, Schedule
+from gpujobs.config.modes import Amp, Balance, Optimizer, Schedule, TableOptimizer
 from gpujobs.config.nccl import NcclSettings
+from gpujobs.config.parallel import ParallelConfig
 from gpujobs.config.trackers import LoggerConfig
 from gpujobs.config.validate import NAME_MAX, Checked, bounds, is_host
 
@@ -70,6 +71,10 @@ class OptimConfig(Checked):
     """After warm-up: constant | cosine | linear (decay to min_lr_ratio * lr at max_steps)."""
     min_lr_ratio: float = field(default=0.1, metadata=bounds(ge=0, le=1))
     """Final learning rate as a fraction of lr for cosine and linear schedules."""
+    table_optimizer: Optional[TableOptimizer] = None
+    """parallel=torchrec: the optimizer fused into the embedding tables' backward, rowwise_adagrad | adam | sgd
+    (null: the one of `name`: adam for adam and adamw, sgd for sgd). Its state counts in the memory plan:
+    adam keeps two values per table value, rowwise_adagrad one per row, sgd none."""
 
 
 @dataclass
@@ -284,6 +289,7 @@ SECTIONS: dict[str, type[Any]] = {
     "checkpoint": CheckpointConfig,
     "telemetry": TelemetryConfig,
     "container": ContainerConfig,
+    "parallel": ParallelConfig,
 }
 PLUGINS = ("model", "data")
 #: What a file_sd target's name adds to the job name: `gpujobs-NAME-<16 hex>.json`, and `-<16 hex>` more
@@ -311,6 +317,8 @@ class JobConfig(Checked):
     container: ContainerConfig = field(default_factory=ContainerConfig)
     """The image the ranks run in (`container=none|pyxis|apptainer|charliecloud|podman|oci`)."""
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """How the model is spread over the ranks (`parallel=ddp|torchrec`)."""
     model: Any = None
     """The model's schema object (a dataclass named by `_target_`)."""
     data: Any = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 from pathlib import Path
 from typing import Any, Optional
 
@@ -11,10 +12,12 @@ from gpujobs.backends.base import NO_SCRIPT, Backend
 from gpujobs.backends.container_words import SRUN_OPTIONS
 from gpujobs.base.errors import ConfigError, SubmitError
 from gpujobs.config.load import JobConfig
+from gpujobs.config.memory import MemoryPlan
 from gpujobs.config.modes import Runtime
 from gpujobs.config.validate import check_slurm_path
-from gpujobs.rundir import CONFIG_FILE
-from gpujobs.rundir.files import write_config
+from gpujobs.launch.memory import plan_job
+from gpujobs.rundir import CONFIG_FILE, PLAN_FILE
+from gpujobs.rundir.files import write_config, write_plan
 
 
 def resolve_cluster(job: JobConfig) -> JobConfig:
@@ -43,8 +46,10 @@ def check_paths(job: JobConfig, run_dir: Path, sweep_dir: Optional[Path] = None)
     check_slurm_path("cluster.folder", job.cluster.folder, slurm=slurm)
 
 
-def preflight(job: JobConfig, cache: Optional[dict[Any, Any]] = None) -> None:
-    """Refuse, with a ConfigError, what the chosen cluster cannot run; nothing is written before.
+def preflight(job: JobConfig, cache: Optional[dict[Any, Any]] = None) -> Optional[MemoryPlan]:
+    """Refuse, with a ConfigError, what the chosen cluster cannot run, or a model that does not fit its memory
+    (`gpujobs.launch.memory`); nothing is written before. Returns the memory plan (None where the model cannot
+    describe itself).
 
     `cache` keeps what the cluster said across the points of a sweep (see `Backend.preflight`).
     """
@@ -57,7 +62,9 @@ def preflight(job: JobConfig, cache: Optional[dict[Any, Any]] = None) -> None:
     if check_data is not None:  # e.g. a sample store missing or unfinished: refused here, not after the queue
         check_data(job)
     _check_replay(job)
+    plan = plan_job(job, cache)  # before the cluster is asked: a model that cannot fit needs no cluster's word
     backend.preflight(job, cache)
+    return plan
 
 
 def _check_container(job: JobConfig, backend: Backend) -> None:
@@ -123,20 +130,23 @@ def check_start(job: JobConfig, run_dir: Path, key: str = "hydra.run.dir") -> No
 def launch(job: JobConfig, run_dir: Path) -> int:
     """Preflight and `check_start`, then start the job (or, for a dry run, print its script); returns the
     exit code."""
-    preflight(job)
+    plan = preflight(job)
     check_start(job, run_dir)
     if job.cluster.dry_run:
         from gpujobs.rundir.files import discard_if_empty
 
+        if plan is not None:  # on stderr: stdout is the script, as it would be queued
+            print(plan.render(), file=sys.stderr)
         print(backend_for(job).render(job, run_dir), end="")
         discard_if_empty(run_dir)  # a dry run leaves nothing behind, not even the empty run dir
         return 0
-    return start(job, run_dir)
+    return start(job, run_dir, plan)
 
 
-def start(job: JobConfig, run_dir: Path) -> int:
-    """Take the run dir's lease, write its config, then run or submit the already checked job; returns
-    the exit code. Raises LeaseHeld, before anything is written, when another live job runs the run dir."""
+def start(job: JobConfig, run_dir: Path, plan: Optional[MemoryPlan] = None) -> int:
+    """Take the run dir's lease, write its config (and its memory `plan`, plan.json), then run or submit the
+    already checked job; returns the exit code. Raises LeaseHeld, before anything is written, when another
+    live job runs the run dir."""
     from gpujobs.rundir import lease
     from gpujobs.rundir.records import read_result
 
@@ -151,6 +161,8 @@ def start(job: JobConfig, run_dir: Path) -> int:
     lease.acquire(run_dir, me)
     had_config = (run_dir / CONFIG_FILE).exists()
     write_config(run_dir, job)
+    if plan is not None:
+        write_plan(run_dir, plan)
     if backend.in_process:  # exceptions go to the user (pdb): nothing to give back
         return backend.start(job, run_dir)
     try:
@@ -160,4 +172,5 @@ def start(job: JobConfig, run_dir: Path) -> int:
         lease.release(run_dir, me)
         if not had_config:
             (run_dir / CONFIG_FILE).unlink(missing_ok=True)
+            (run_dir / PLAN_FILE).unlink(missing_ok=True)
         raise

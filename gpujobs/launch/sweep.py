@@ -45,10 +45,11 @@ from gpujobs.backends import backend_for
 from gpujobs.base.atomic import fsync_batch, write_text_atomic
 from gpujobs.base.errors import ConfigError, SubmitError
 from gpujobs.config.load import JobConfig
+from gpujobs.config.memory import MemoryPlan
 from gpujobs.launch import check_start, preflight
 from gpujobs.launch.sweep_file import read_sweep_file, unlist, write_sweep_file
-from gpujobs.rundir import CONFIG_FILE, SBATCH_FILE
-from gpujobs.rundir.files import discard_if_empty, write_config
+from gpujobs.rundir import CONFIG_FILE, PLAN_FILE, SBATCH_FILE
+from gpujobs.rundir.files import discard_if_empty, write_config, write_plan
 
 #: Set (True) on a task function that, in a gpujobs sweep, only plans its point (`gpujobs.submit`'s): the
 #: gpujobs sweeper may then derive the points' configs from one composition instead of composing each.
@@ -64,6 +65,8 @@ class Point:
     overrides: list[str]
     job: JobConfig
     run_dir: Path
+    plan: Optional[MemoryPlan] = None
+    """Its memory plan (plan.json), where its model can describe itself."""
 
 
 @dataclass
@@ -96,9 +99,9 @@ class SweepPlan:
         """Validate one point against where it will run (ConfigError/SubmitError if it cannot) and against
         its run dir, as a single run is (`check_start`: a rerun of the sweep with other values), and keep it."""
         place = None if self.single else self._check_place(run_dir, num)
-        preflight(job, self._cluster_cache)
+        plan = preflight(job, self._cluster_cache)
         check_start(job, run_dir, "hydra.sweep.subdir")
-        point = Point(num, list(overrides), job, run_dir)
+        point = Point(num, list(overrides), job, run_dir, plan)
         self.points.append(point)
         if place is not None:
             self._places[place] = point
@@ -267,11 +270,14 @@ def _queue_array(points: list[Point], folder: Path) -> list[Outcome]:
     from gpujobs.rundir.files import record_submission
 
     executor, points_file = array_executor(points, folder)
-    written = [path for point in points for path in (point.run_dir / CONFIG_FILE, point.run_dir / SBATCH_FILE)]
+    written = [path for point in points for path in (point.run_dir / CONFIG_FILE, point.run_dir / SBATCH_FILE,
+                                                           point.run_dir / PLAN_FILE)]
     new = [path for path in [*written, points_file] if not path.exists()]
     with fsync_batch() as batch:  # every file durable before sbatch, in one pass of fsyncs
         for point in points:
             write_config(point.run_dir, point.job, batch)
+            if point.plan is not None:
+                write_plan(point.run_dir, point.plan, batch)
             keep_script(point.run_dir, point.job, batch)
         write_text_atomic(points_file, "".join(f"{p.run_dir}\n" for p in points), batch)  # as named
     try:
@@ -372,7 +378,7 @@ def run_here(sweep_dir: Path, points: list[Point]) -> list[Outcome]:
     outcomes = []
     for point in points:
         print(f"gpujobs: sweep point #{point.num}: {' '.join(point.overrides)}", flush=True)
-        outcomes.append(Outcome(point, start(point.job, point.run_dir)))
+        outcomes.append(Outcome(point, start(point.job, point.run_dir, point.plan)))
     return outcomes
 
 

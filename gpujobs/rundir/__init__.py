@@ -4,6 +4,7 @@ A run dir is shared by every attempt of its job (requeues, restarts, a hand-run 
 `submit.sbatch`). Every file name is defined here, once::
 
     config.yaml        the resolved, validated config (`files.write_config` / `files.read_config`)
+    plan.json          the memory plan made at submit: per table where it lives, per rank its bytes
     checkpoints/       step_<N>/ with a COMPLETE marker written last (gpujobs.rank.checkpoint)
     attempts.jsonl     one line per attempt (`attempts.AttemptLog`)
     result.json        the completed run's result
@@ -34,6 +35,7 @@ from gpujobs.base.atomic import read_jsonl
 from gpujobs.config.nccl import NCCL_DIR  # named where the settings that fill it are
 
 CONFIG_FILE = "config.yaml"
+PLAN_FILE = "plan.json"
 CHECKPOINT_DIR = "checkpoints"
 #: A checkpoint is CHECKPOINT_DIR/step_<8 digits>/, published by its MARKER file.
 STEP_PREFIX = "step_"
@@ -54,6 +56,6 @@ FAILURES_DIR = "failures"
 
 __all__ = [
     "ATTEMPTS_FILE", "CHECKPOINT_DIR", "CONFIG_FILE", "FAILURES_DIR", "GPU_FILE", "HANGS_DIR", "HEARTBEAT_DIR",
-    "LEASE_FILE", "MARKER", "METRICS_FILE", "NCCL_DIR", "PROMETHEUS_FILE", "RERUNS_DIR", "RESULT_FILE",
+    "LEASE_FILE", "MARKER", "METRICS_FILE", "NCCL_DIR", "PLAN_FILE", "PROMETHEUS_FILE", "RERUNS_DIR", "RESULT_FILE",
     "SBATCH_FILE", "STEP_PREFIX", "SUBMISSIONS_FILE", "TRACKER_FILE", "read_jsonl",
 ]
