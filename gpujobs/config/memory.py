@@ -84,6 +84,9 @@ class TablePlacement:
     sharding_type: str
     compute_kernel: str
     bytes_by_rank: dict[int, int]
+    shards: tuple[tuple[int, int, int, int, int], ...] = ()
+    """Each shard as (rank, first row, first column, rows, columns): enough to shard the same way again
+    (`parallel.plan`)."""
 
     @property
     def ranks(self) -> list[int]:
@@ -121,8 +124,9 @@ class MemoryPlan:
 
     @classmethod
     def from_json(cls, payload: dict[str, Any]) -> MemoryPlan:
-        tables = tuple(TablePlacement(**{**t, "bytes_by_rank": {int(r): int(b) for r, b in t["bytes_by_rank"].items()}})
-                       for t in payload["tables"])
+        tables = tuple(TablePlacement(**{
+            **t, "bytes_by_rank": {int(r): int(b) for r, b in t["bytes_by_rank"].items()},
+            "shards": tuple(tuple(int(v) for v in shard) for shard in t.get("shards", ()))}) for t in payload["tables"])
         ranks = tuple(RankBytes(**r) for r in payload["ranks"])
         rest = {k: v for k, v in payload.items() if k not in ("tables", "ranks", "notes")}
         return cls(tables=tables, ranks=ranks, notes=tuple(payload.get("notes", ())), **rest)

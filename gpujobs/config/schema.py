@@ -71,10 +71,10 @@ class OptimConfig(Checked):
     """After warm-up: constant | cosine | linear (decay to min_lr_ratio * lr at max_steps)."""
     min_lr_ratio: float = field(default=0.1, metadata=bounds(ge=0, le=1))
     """Final learning rate as a fraction of lr for cosine and linear schedules."""
-    table_optimizer: Optional[TableOptimizer] = None
-    """parallel=torchrec: the optimizer fused into the embedding tables' backward, rowwise_adagrad | adam | sgd
-    (null: the one of `name`: adam for adam and adamw, sgd for sgd). Its state counts in the memory plan:
-    adam keeps two values per table value, rowwise_adagrad one per row, sgd none."""
+    table_optimizer: TableOptimizer = TableOptimizer.rowwise_adagrad
+    """parallel=torchrec: the optimizer fused into the embedding tables' backward (at `lr`), rowwise_adagrad (the
+    MLPerf reference's) | adam (GPU ranks only: FBGEMM's CPU kernels have none) | sgd. Its state counts in the
+    memory plan: adam keeps two values per table value, rowwise_adagrad one per row, sgd none."""
 
 
 @dataclass

@@ -17,7 +17,8 @@ from gpujobs.config.modes import Runtime
 from gpujobs.config.validate import check_slurm_path
 from gpujobs.launch.memory import plan_job
 from gpujobs.rundir import CONFIG_FILE, PLAN_FILE
-from gpujobs.rundir.files import write_config, write_plan
+from gpujobs.rundir.files import write_config
+from gpujobs.rundir.plan import write_plan
 
 
 def resolve_cluster(job: JobConfig) -> JobConfig:

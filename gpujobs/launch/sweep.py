@@ -49,7 +49,8 @@ from gpujobs.config.memory import MemoryPlan
 from gpujobs.launch import check_start, preflight
 from gpujobs.launch.sweep_file import read_sweep_file, unlist, write_sweep_file
 from gpujobs.rundir import CONFIG_FILE, PLAN_FILE, SBATCH_FILE
-from gpujobs.rundir.files import discard_if_empty, write_config, write_plan
+from gpujobs.rundir.files import discard_if_empty, write_config
+from gpujobs.rundir.plan import write_plan
 
 #: Set (True) on a task function that, in a gpujobs sweep, only plans its point (`gpujobs.submit`'s): the
 #: gpujobs sweeper may then derive the points' configs from one composition instead of composing each.

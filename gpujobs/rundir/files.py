@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import time
@@ -19,8 +18,7 @@ from gpujobs.base.atomic import FsyncBatch, append_jsonl, read_jsonl, write_text
 from gpujobs.base.errors import ConfigError, GpujobsError
 from gpujobs.config.hydra_private import omegaconf_str_representer
 from gpujobs.config.load import JobConfig, load_config
-from gpujobs.config.memory import MemoryPlan
-from gpujobs.rundir import CONFIG_FILE, PLAN_FILE, SUBMISSIONS_FILE
+from gpujobs.rundir import CONFIG_FILE, SUBMISSIONS_FILE
 
 
 class _Dumper(getattr(yaml, "CDumper", yaml.Dumper)):  # type: ignore[misc]
@@ -70,13 +68,6 @@ def write_config(run_dir: Path, job: JobConfig, batch: Optional[FsyncBatch] = No
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / CONFIG_FILE
     write_text_atomic(path, config_yaml(job.to_dict()), batch)
-    return path
-
-
-def write_plan(run_dir: Path, plan: MemoryPlan, batch: Optional[FsyncBatch] = None) -> Path:
-    """Save the memory plan made at submit atomically as `plan.json` (durable now, or with `batch`)."""
-    path = run_dir / PLAN_FILE
-    write_text_atomic(path, json.dumps(plan.to_json(), indent=2, sort_keys=True) + "\n", batch)
     return path
 
 

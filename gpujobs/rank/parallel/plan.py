@@ -150,8 +150,10 @@ def memory_plan(request: PlanRequest, plan: Any) -> MemoryPlan:
             table = dims[name]
             per_value = FP32_BYTES * (1 + table_state_values(request.table_optimizer, table) / table.parameters)
             by_rank: dict[int, int] = {}
+            shards = []
             for shard in sharding.sharding_spec.shards:
                 rank = shard.placement.rank()
+                shards.append((rank, *shard.shard_offsets, *shard.shard_sizes))
                 size = int(math.prod(shard.shard_sizes) * per_value)
                 by_rank[rank] = by_rank.get(rank, 0) + size
                 kernel = sharding.compute_kernel
@@ -162,7 +164,7 @@ def memory_plan(request: PlanRequest, plan: Any) -> MemoryPlan:
                 elif on_gpu and kernel == "fused_uvm_caching":
                     gpu[rank] += int(size * CACHE_LOAD_FACTOR)
             tables.append(TablePlacement(name, table.rows, table.dim, sharding.sharding_type, sharding.compute_kernel,
-                                         by_rank))
+                                         by_rank, tuple(shards)))
     ranks = tuple(RankBytes(rank, gpu[rank], host[rank]) for rank in range(request.world_size))
     return MemoryPlan("torchrec", request.world_size, request.ranks_per_node, request.device, request.gpu_mem,
                       request.host_mem, tuple(sorted(tables, key=lambda t: _table_number(t.name))), ranks)
