@@ -47,6 +47,9 @@ class Checkpointed:
     """What the marker says of the run."""
     last_step: int
     """The run's last step: always saved, synchronously."""
+    sharded: Optional[Callable[[], dict[str, Any]]] = None
+    """State every rank holds a part of (parallel=torchrec's tables), saved by every rank through DCP: its
+    saves are synchronous (the submit side refuses checkpoint.async with it)."""
 
 
 @dataclass(frozen=True)
@@ -121,11 +124,11 @@ class CheckpointManager:
         source = self._source
         if source is None or step == self.saved_step or not (stop or self.should_save(step, source.last_step)):
             return None
-        background = self.background and not stop and step < source.last_step
+        background = self.background and not stop and step < source.last_step and source.sharded is None
         if background:
             self.save_async(step, source.shared, source.own(), source.run())
         else:
-            self.save(step, source.shared, source.own(), source.run())
+            self.save(step, source.shared, source.own(), source.run(), source.sharded)
         return SaveTaken(step, background, self.last_blocking_s)
 
     # ------------------------------------------------------------------ reading
@@ -152,17 +155,19 @@ class CheckpointManager:
         shared: Callable[[], dict[str, Any]],
         own: dict[str, Any],
         run: Optional[SavedRun] = None,
+        sharded: Optional[Callable[[], dict[str, Any]]] = None,
     ) -> Path:
-        """Collective save: every rank writes its file, rank 0 also `shared()`, and rank 0 publishes
-        only when every rank's files are durable, with `run` in the marker. Returns the checkpoint's
-        path on every rank, or raises CheckpointNotSaved on every rank (nothing published, nothing pruned).
+        """Collective save: every rank writes its file (and its shards of `sharded()`), rank 0 also `shared()`,
+        and rank 0 publishes only when every rank's files are durable, with `run` in the marker. Returns the
+        checkpoint's path on every rank, or raises CheckpointNotSaved on every rank (nothing published, nothing
+        pruned).
 
         A background save in flight is waited for first (`wait`, raising its failure): a save at a
         preemption or at the end is synchronous and comes after the one in flight."""
         start = time.perf_counter()
         try:
             self.wait()
-            self.published = self.files.write_and_agree(step, shared, lambda: own, run or SavedRun(), None)
+            self.published = self.files.write_and_agree(step, shared, lambda: own, run or SavedRun(), None, sharded)
             self.saved_step = step
             return self.published
         finally:

@@ -4,6 +4,8 @@ Layout of one checkpoint::
 
     checkpoints/step_00000100/state.pt      model, optimizer, scheduler, step, config (rank 0)
     checkpoints/step_00000100/rank_<r>.pt   per-rank state: RNG streams (every rank)
+    checkpoints/step_00000100/sharded/      sharded state (parallel=torchrec's tables), every rank's shards
+                                            written through torch.distributed.checkpoint (`checkpoint_sharded`)
     checkpoints/step_00000100/COMPLETE      the marker, written last: every file with its size and CRC-32
 
 A save is a collective with one outcome on every rank. Each rank writes its files into a temporary
@@ -36,6 +38,7 @@ from gpujobs.base.atomic import fsync_path
 from gpujobs.base.errors import GpujobsError
 from gpujobs.rank import collectives
 from gpujobs.rank.checkpoint_files import load_verified, save_file
+from gpujobs.rank.checkpoint_sharded import SHARDED_DIR, save_sharded, verify_share
 from gpujobs.rundir import MARKER, STEP_PREFIX
 from gpujobs.rundir.marker import Marker, SavedRun, read_marker, step_dir, write_marker
 from gpujobs.rundir.trust import check_own_dir, own_dir
@@ -105,6 +108,7 @@ class CheckpointDir:
         check_own_dir(path)  # a planted step dir (a symlink, another user's) would load what it points to
         marker = read_marker(path)
         shared = load_verified(path / SHARED_FILE, marker.files.get(SHARED_FILE), map_location)
+        verify_share(path, marker, self.rank, self.world_size)  # sharded state: loaded by its owner, resharded
         if (marker.world_size or self.world_size) != self.world_size:
             return shared, {}, marker
         own = load_verified(path / f"rank_{self.rank}.pt", marker.files.get(f"rank_{self.rank}.pt"), "cpu")
@@ -146,11 +150,12 @@ class CheckpointDir:
         own: Callable[[], dict[str, Any]],
         run: SavedRun,
         group: Optional[dist.ProcessGroup],
+        sharded: Optional[Callable[[], dict[str, Any]]] = None,
     ) -> Path:
-        """Collective: every rank writes its files into a temp dir and fsyncs them; rank 0 publishes the
-        step only when every rank's are durable. The step's path on every rank, or CheckpointNotSaved on
-        every rank (nothing published, nothing pruned). Its collectives go over `group` (None: the
-        training group's)."""
+        """Collective: every rank writes its files into a temp dir and fsyncs them (and, with `sharded`, its
+        shards of that state through DCP); rank 0 publishes the step only when every rank's are durable. The
+        step's path on every rank, or CheckpointNotSaved on every rank (nothing published, nothing pruned).
+        Its collectives go over `group` (None: the training group's)."""
         tmp = self.directory / f"{_TMP}{STEP_PREFIX}{step:08d}"
         report: dict[str, Any] = {"rank": self.rank, "files": {}, "error": None}
         try:
@@ -163,6 +168,8 @@ class CheckpointDir:
                 report["files"][SHARED_FILE] = save_file(shared(), tmp / SHARED_FILE)
         except Exception as err:  # a full disk, a quota, a vanished mount: report it, decide together
             report["error"] = f"rank {self.rank}: {err}"
+        if sharded is not None:
+            self._write_sharded(sharded, tmp, report, group)
         reports = collectives.all_gather_objects(report, group)
         outcome: Optional[tuple[str, list[int]]] = None
         if self.rank == 0:
@@ -188,6 +195,20 @@ class CheckpointDir:
             self._prune(step)
         return self.path_for(step)
 
+    def _write_sharded(self, sharded: Callable[[], dict[str, Any]], tmp: Path, report: dict[str, Any],
+                       group: Optional[dist.ProcessGroup]) -> None:
+        """Every rank's shards through DCP, a collective of its own: entered only when every rank got this far
+        (one tiny all-gather first), so a rank whose files failed leaves no other waiting in DCP's. DCP's
+        own failure on any rank raises on every rank."""
+        ready = collectives.all_gather_objects(report["error"] is None, group)
+        if not all(ready):
+            return
+        try:
+            directory = own_dir(tmp, SHARDED_DIR)
+            report["files"].update(save_sharded(sharded(), directory, self.rank, group))
+        except Exception as err:
+            report["error"] = f"rank {self.rank}: sharded state: {err}"
+
     def _publish(self, tmp: Path, marker: Marker) -> None:
         """Write the marker into the temp dir, once every file it lists is durable, then rename the temp dir
         into place: the step appears whole with its marker, or not at all.
@@ -196,8 +217,13 @@ class CheckpointDir:
         dir's (its entries, the marker's included; `write_marker` does both), and the checkpoints dir's
         (the rename)."""
         final = self.path_for(marker.step)
-        for extra in tmp.iterdir():  # files of an earlier attempt at this step that nobody wrote now
-            if extra.name not in marker.files:
+        for extra in [*tmp.iterdir(), *(tmp / SHARDED_DIR).glob("*")]:  # an earlier attempt's, nobody's now
+            name = str(extra.relative_to(tmp))
+            if name in marker.files or (name == SHARDED_DIR and extra.is_dir() and not extra.is_symlink()):
+                continue
+            if extra.is_dir() and not extra.is_symlink():
+                shutil.rmtree(extra)
+            else:
                 extra.unlink()
         write_marker(tmp, marker)
         if final.exists():  # a leftover without marker (it would not be listed otherwise): not a checkpoint

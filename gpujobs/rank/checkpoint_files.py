@@ -56,20 +56,36 @@ def _checksum_of(handle: BinaryIO) -> tuple[int, int]:
     return size, crc
 
 
+def entry_of(path: Path) -> FileEntry:
+    """The marker entry (size and CRC-32) of the file `path` as it is (written and fsynced by another writer)."""
+    with open_read(path) as handle:
+        return FileEntry(*_checksum_of(handle))
+
+
+def _checked(handle: BinaryIO, path: Path, entry: Optional[FileEntry]) -> None:
+    if entry is None:
+        raise ValueError(f"{path.name} is not listed in the marker")
+    size, crc = _checksum_of(handle)
+    if size != entry.size:
+        raise ValueError(f"{path.name} has {size} bytes, the marker says {entry.size}")
+    if crc != entry.crc32:
+        raise ValueError(f"{path.name} fails its checksum")
+
+
+def verify_file(path: Path, entry: Optional[FileEntry]) -> None:
+    """Check `path` against its marker entry, reading it whole; raises ValueError saying what is wrong."""
+    with open_read(path) as handle:  # FileNotFoundError when missing; Untrusted for a planted symlink
+        _checked(handle, path, entry)
+
+
 def load_verified(path: Path, entry: Optional[FileEntry], map_location: Any) -> Any:
     """Load `path` after checking it against its marker entry; raises ValueError saying what is wrong.
 
     The check reads the file in chunks and the load reads it again (from the page cache by then), so a
     rank never holds more than the loaded state in memory.
     """
-    if entry is None:
-        raise ValueError(f"{path.name} is not listed in the marker")
     # FileNotFoundError (an OSError) when missing; Untrusted for a planted symlink: what is checked is loaded
     with open_read(path) as handle:
-        size, crc = _checksum_of(handle)
-        if size != entry.size:
-            raise ValueError(f"{path.name} has {size} bytes, the marker says {entry.size}")
-        if crc != entry.crc32:
-            raise ValueError(f"{path.name} fails its checksum")
+        _checked(handle, path, entry)
         handle.seek(0)
         return torch.load(handle, map_location=map_location, weights_only=True)

@@ -70,8 +70,13 @@ class GatheringTrainRecord:
 
 def param_digest(model: torch.nn.Module) -> str:
     """sha256 over the parameters, names sorted, raw bytes: a reproducibility fingerprint."""
+    return state_digest(model.state_dict())
+
+
+def state_digest(state: dict[str, torch.Tensor]) -> str:
+    """sha256 over the tensors of `state`, names sorted, raw bytes."""
     digest = hashlib.sha256()
-    for name, tensor in sorted(model.state_dict().items()):
+    for name, tensor in sorted(state.items()):
         digest.update(name.encode())
         digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()

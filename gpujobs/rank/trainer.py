@@ -6,11 +6,10 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
 from gpujobs.backends.jobenv import DistInfo
 from gpujobs.config.load import JobConfig
@@ -20,9 +19,10 @@ from gpujobs.rank.buckets import settle_buckets
 from gpujobs.rank.checkpoint import Checkpointed, CheckpointManager
 from gpujobs.rank.compute_clock import ComputeClock, StepTimes
 from gpujobs.rank.distributed import device_names
-from gpujobs.rank.metrics import GatheringTrainRecord, MetricsLog, param_digest
+from gpujobs.rank.metrics import GatheringTrainRecord, MetricsLog
 from gpujobs.rank.observe.telemetry import Telemetry
 from gpujobs.rank.optim import build_optimizer, build_scheduler, schedule_is_flat
+from gpujobs.rank.parallel.spread import spread
 from gpujobs.rank.precision import job_autocast
 from gpujobs.rank.rng import reseed_rank, rng_state, set_rng_state
 from gpujobs.rank.stop import PreemptionWatcher
@@ -59,15 +59,17 @@ class Trainer:
         self.beat = heartbeat or NoBeat()
         """Step and phase for the hang watchdog: two attribute stores per phase, nothing more."""
         cfg = job.trainer
-        self.model = task.model.to(device)
         slowed = job.telemetry.debug_slow_rank == info.rank
         # Compute time is measured where something uses it (dynamic plans, the slow-GPU emulation, the
         # straggler check on a GPU, where the host clock reads the slowest rank's time on every rank): its
         # communication hook costs a Python call per gradient bucket, ~2% of a small model's CPU step.
         self.timed = cfg.balance == "dynamic" or job.telemetry.debug_slow_factor > 1 or device.type == "cuda"
         self.clock = ComputeClock(device, job.telemetry.debug_slow_factor if slowed else 1.0)
-        self.ddp = self._wrapped()
-        self.optimizer = build_optimizer(list(self.model.parameters()), job.optim)
+        self.spread = spread(job, info, task.model, device, self.clock if self.timed else None,
+                             checkpoints.directory.parent)
+        self.model, self.ddp = self.spread.model, self.spread.wrapped
+        """The model as evaluated and saved; the model as the step runs it (DDP's or TorchRec's wrapper)."""
+        self.optimizer = build_optimizer(self.spread.trained_parameters(), job.optim)
         self.scheduler = build_scheduler(self.optimizer, job.optim, cfg.max_steps)
         self.flat_schedule = schedule_is_flat(job.optim)
         self.autocast = job_autocast(cfg.amp, device, info.is_main)
@@ -88,18 +90,7 @@ class Trainer:
         self.gathering: Optional[GatheringTrainRecord] = None
         """The last log step's train record, written at the next step boundary (`_write_logged`)."""
         own = lambda: {"rng": rng_state(device)}  # noqa: E731
-        checkpoints.track(Checkpointed(self.state_dict, own, self._saved_run, cfg.max_steps))
-
-    def _wrapped(self) -> torch.nn.Module:
-        """The model as the step runs it: DDP's wrapper in a process group (timed by the compute clock
-        where `timed`), else the model itself."""
-        if not dist.is_initialized():
-            return self.model
-        ids = [self.device.index] if self.device.type == "cuda" else None
-        ddp = DistributedDataParallel(self.model, device_ids=ids)
-        if self.timed:
-            self.clock.install(ddp)
-        return ddp
+        checkpoints.track(Checkpointed(self.state_dict, own, self._saved_run, cfg.max_steps, self.spread.sharded_state))
 
     @property
     def saved(self) -> Optional[str]:
@@ -111,7 +102,7 @@ class Trainer:
     def state_dict(self) -> dict[str, Any]:
         """What every rank shares: written once, by rank 0."""
         return {
-            "model": self.model.state_dict(),
+            "model": self.spread.model_state(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "step": self.step,
@@ -140,7 +131,8 @@ class Trainer:
         if found is None:
             return False
         check_same_run(found.marker, self.job, found.path, global_batch=self.global_batch)
-        self.model.load_state_dict(found.shared["model"])
+        self.spread.load_model_state(found.shared["model"])
+        self.spread.load_sharded(Path(found.path))  # collective: every rank found the same checkpoint
         self.optimizer.load_state_dict(found.shared["optimizer"])
         self.scheduler.load_state_dict(found.shared["scheduler"])
         self.step = int(found.shared["step"])
@@ -181,7 +173,7 @@ class Trainer:
             # Gradients are all-reduced on the last micro-step only; before it, no_sync
             # keeps them local so accumulation costs one all-reduce per optimizer step.
             last = micro == accum - 1
-            sync = contextlib.nullcontext() if last or self.ddp is self.model else self.ddp.no_sync()  # type: ignore[operator]
+            sync = contextlib.nullcontext() if last else self.spread.no_sync()
             yield micro, sync
 
     def train_step(self, times: StepTimes) -> None:
@@ -215,7 +207,7 @@ class Trainer:
             times.losses.append(loss.detach())  # read once per log line: no host sync, no op on every step
         beat.phase = "optimizer"
         if self.job.trainer.grad_clip is not None:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.job.trainer.grad_clip)
+            torch.nn.utils.clip_grad_norm_(self.spread.trained_parameters(), self.job.trainer.grad_clip)
         self.optimizer.step()
         if not self.flat_schedule:  # a flat schedule's step would only count
             self.scheduler.step()
@@ -243,7 +235,7 @@ class Trainer:
         wall_start = time.perf_counter()
         resumed = self.restore()  # before the plan's start: it starts from the resumed step
         self._write(self.balancer.start(self.step, resumed))
-        if resumed and self.ddp is not self.model:  # the straight run's bucket layout (`gpujobs.rank.buckets`)
+        if resumed and self.spread.replicated and self.ddp is not self.model:  # the straight run's bucket layout
             settle_buckets(self.model, self._next_loss, self.device)
         start_step, start_samples = self.step, self.samples
         times, train_s, stopped = StepTimes(), 0.0, False
@@ -306,7 +298,7 @@ class Trainer:
             **evals,
             "samples_per_s": round((self.samples - start_samples) / train_s, 2) if train_s > 0 else None,
             "wall_s": round(wall_s, 3),
-            "param_digest": param_digest(self.model),
+            "param_digest": self.spread.digest(),
             "resumed_from": self.resumed_from,
             "resume_skipped": self.resume_skipped,
         }
