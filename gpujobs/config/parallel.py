@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from gpujobs.base.errors import ConfigError
 from gpujobs.config.modes import Parallel
 from gpujobs.config.validate import Checked, bounds
 
@@ -43,3 +44,27 @@ class ParallelConfig(Checked):
                                                               allowed="null or the path of a plan.json"))
     """torchrec: a plan.json kept by an earlier run (or `gpujobs plan --out`) to use as it is, where it was made
     for the same tables and world size (null: plan at start)."""
+
+
+def check_torchrec(job: Any) -> None:
+    """Refuse (ConfigError naming the key) what `parallel=torchrec` cannot train as configured; `job` is the
+    whole JobConfig (its sections are read, never changed)."""
+    if job.parallel.name != Parallel.torchrec:
+        return
+    if job.script is not None:
+        raise ConfigError("parallel", "torchrec", "ddp for a script job (a script builds and spreads its own model)")
+    if not callable(getattr(job.model, "shape", None)) or not callable(getattr(job.data, "features", None)):
+        raise ConfigError("parallel", "torchrec", f"ddp for model {type(job.model).__name__} (a model config must "
+                          "describe its tables, shape(features), to shard them)")
+    if job.trainer.grad_accum != 1:
+        raise ConfigError("trainer.grad_accum", job.trainer.grad_accum, "1 under parallel=torchrec (the tables' "
+                          "optimizer runs in their backward, once per micro-batch: no gradient is accumulated)")
+    if job.checkpoint.background:
+        raise ConfigError("checkpoint.async", True, "false under parallel=torchrec (its sharded saves are "
+                          "synchronous in this version)")
+    if job.trainer.balance != "off":
+        raise ConfigError("trainer.balance", str(job.trainer.balance), "off under parallel=torchrec (uneven shares "
+                          "of a step are not yet measured and split for sharded tables in this version)")
+    if job.optim.table_optimizer == "adam" and not job.resources.gpus_per_node:
+        raise ConfigError("optim.table_optimizer", "adam", "rowwise_adagrad or sgd for CPU ranks (FBGEMM's CPU "
+                          "kernels have no fused Adam)")

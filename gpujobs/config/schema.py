@@ -29,7 +29,7 @@ from gpujobs.config.cluster import parse_time_minutes as parse_time_minutes
 from gpujobs.config.container import ContainerConfig
 from gpujobs.config.modes import Amp, Balance, Optimizer, Schedule, TableOptimizer
 from gpujobs.config.nccl import NcclSettings
-from gpujobs.config.parallel import ParallelConfig
+from gpujobs.config.parallel import ParallelConfig, check_torchrec
 from gpujobs.config.trackers import LoggerConfig
 from gpujobs.config.validate import NAME_MAX, Checked, bounds, is_host
 
@@ -338,6 +338,7 @@ class JobConfig(Checked):
                 f"file_sd target gpujobs-NAME-<hash>.json must fit Linux's {NAME_MAX}-byte file name)",
             )
         self._check_shares()
+        check_torchrec(self)
         for key in PLUGINS if self.script is None else ():  # a plug-in's rules across sections; a script has none
             check = getattr(getattr(self, key), "check_job", None)
             if check is not None:
