@@ -18,12 +18,13 @@ from typing import TYPE_CHECKING, Any, ClassVar, Optional
 
 from gpujobs.base.errors import ConfigError
 from gpujobs.config.validate import Checked, bounds, check_slurm_path, check_text
+from jobs.rec.features import HASH_BUCKETS_ALLOWED, FeatureSpec, criteo_features, is_hash_buckets
 
 if TYPE_CHECKING:
     from gpujobs.config.schema import JobConfig
     from gpujobs.data.prepare import PreparePlan
     from jobs.rec.criteo_store import CriteoParser
-    from jobs.rec.data import FeatureSpec, RecData
+    from jobs.rec.data import RecData
     from jobs.rec.model import DLRM
 
 INTERACTIONS = ("dot", "cat")
@@ -145,6 +146,10 @@ class SyntheticClicksConfig(Checked):
         """Samples per optimizer step: global_batch_size, else batch_size per rank of `world_size`."""
         return self.global_batch_size or self.batch_size * world_size * micro_batches
 
+    def features(self) -> FeatureSpec:
+        """The log's feature shape: `num_dense` dense features, a categorical one per `cardinalities` entry."""
+        return FeatureSpec(self.num_dense, tuple(self.cardinalities))
+
     def build(self, world_size: int, micro_batches: int) -> RecData:
         """Generate the log (identically on every rank) and its global sample stream; `world_size` is the
         configured one, which only sizes the default global batch."""
@@ -183,8 +188,9 @@ class CriteoConfig(Checked):
     elsewhere): `gpujobs prepare` writes it, training reads it."""
     bad_lines: str = field(default="fail", metadata=bounds(one_of=BAD_LINES))
     """A damaged input line: "fail" names its file and line; "skip" skips it and counts it in the manifest."""
-    hash_buckets: int = field(default=100_000, metadata=bounds(ge=1, lt=2**31 - 1, note="int32 indices"))
-    """Categorical values are hashed into this many buckets per feature (plus one for "missing")."""
+    hash_buckets: Any = field(default=100_000, metadata=bounds(valid=is_hash_buckets, allowed=HASH_BUCKETS_ALLOWED))
+    """Categorical values are hashed into this many buckets per column (plus one for "missing"): one count for
+    all 26 columns, or a list of 26 counts, one per column, so that each table has its own size."""
     batch_size: int = field(default=256, metadata=bounds(ge=1))
     """Samples per rank per micro-step at the configured world size (see SyntheticClicksConfig)."""
     global_batch_size: Optional[int] = field(default=None, metadata=bounds(ge=1))
@@ -202,10 +208,17 @@ class CriteoConfig(Checked):
         self.train_files = _patterns("train_files", self.train_files)
         self.eval_files = _patterns("eval_files", self.eval_files)
         self.store = str(Path(self.store).expanduser().absolute())
+        if not isinstance(self.hash_buckets, int):  # a list, as a command line or YAML gives it
+            self.hash_buckets = list(self.hash_buckets)
 
     def global_batch(self, world_size: int, micro_batches: int) -> int:
         """Samples per optimizer step: global_batch_size, else batch_size per rank of `world_size`."""
         return self.global_batch_size or self.batch_size * world_size * micro_batches
+
+    def features(self) -> FeatureSpec:
+        """The stores' feature shape: 13 dense features, and categorical column c's index 0 ("missing") and
+        1..hash_buckets[c] (`jobs.rec.features.criteo_features`)."""
+        return criteo_features(self.hash_buckets)
 
     def parser(self) -> CriteoParser:
         """The parser that prepares this config's store (its name and settings are recorded in the manifest)."""
@@ -259,14 +272,13 @@ class CriteoConfig(Checked):
         """Open the store (checked as at submit) and its global sample stream (see SyntheticClicksConfig.build):
         no row is read here, and nothing per row is allocated."""
         from gpujobs.data.reader import SampleStore
-        from jobs.rec.criteo import criteo_features
         from jobs.rec.data import RecData, StoreRows
 
         parser = self.parser()
         store = SampleStore.open(Path(self.store), parser.name, parser.settings())
         rows = store.rows("train")  # the batch rule again: a Slurm job's store may not have been visible at submit
         check_global_batch(self, world_size, micro_batches, rows, f"the {rows} training rows of data.store")
-        features = criteo_features(self.hash_buckets)
+        features = self.features()
         return RecData(
             features,
             StoreRows(store, "train", features, self.store),
