@@ -21,7 +21,7 @@ from gpujobs.base.errors import ConfigError
 from gpujobs.data import prepare
 from gpujobs.data.manifest import ColumnSpec
 from gpujobs.data.reader import SampleStore
-from jobs.rec.config import BAD_LINES, CriteoConfig, DLRMConfig, SyntheticClicksConfig
+from jobs.rec.config import BAD_LINES, CriteoConfig, DCNv2Config, DLRMConfig, SyntheticClicksConfig
 from jobs.rec.data import FeatureSpec, RecBatch, RecData, StoreRows
 from jobs.rec.metrics import auc, logloss
 from jobs.rec.synthetic import generate_clicks
@@ -78,6 +78,7 @@ def test_config_rejects_bad_values_naming_the_key(schema: type, kwargs: dict[str
     ("yaml_name", "schema", "required"),
     [
         ("model/dlrm.yaml", DLRMConfig, {}),
+        ("model/dcnv2.yaml", DCNv2Config, {}),
         ("data/synthetic.yaml", SyntheticClicksConfig, {}),
         ("data/criteo.yaml", CriteoConfig, {"store": "/data/store"}),
     ],

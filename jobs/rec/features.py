@@ -1,7 +1,8 @@
 """The shape of the rec job's samples and what it sizes: features, tables, per-column hash buckets (torch-free).
 
-The submit side reads these before anything is queued; the job side builds its data and models from the same
-numbers, so the two cannot disagree. Only the standard library is imported here: no torch, no numpy.
+The submit side reads these to describe a model before anything is queued (`ModelShape`, for memory plans);
+the job side builds its data and models from the same numbers, so the two cannot disagree. Only the standard
+library and `gpujobs.config` are imported here: no torch, no numpy.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from gpujobs.config.model_shape import Table
 
 CRITEO_INTEGER = 13
 """Integer (dense) features of a Criteo-format line."""
@@ -23,12 +26,36 @@ HASH_BUCKETS_ALLOWED = (f"an integer in [1, {MAX_HASH_BUCKETS}] for every catego
 
 @dataclass(frozen=True)
 class FeatureSpec:
-    """The shape of a sample's features, which is all the model needs to know about the data."""
+    """The shape of a sample's features, which is all the model needs to know about the data.
+
+    Categorical feature i is named `f_<i>` and its embedding table `t_<i>` (`feature_name`, `table_name`):
+    the names a memory plan and a sharded model (TorchRec's tables and their features) share.
+    """
 
     num_dense: int
     """Real-valued features per sample."""
     cardinalities: tuple[int, ...]
     """Number of distinct (index) values of each categorical feature."""
+
+    @staticmethod
+    def feature_name(index: int) -> str:
+        """The name of categorical feature `index`."""
+        return f"f_{index}"
+
+    @staticmethod
+    def table_name(index: int) -> str:
+        """The name of the embedding table of categorical feature `index`."""
+        return f"t_{index}"
+
+    @property
+    def num_vectors(self) -> int:
+        """F: the vectors a model's interaction takes, one of the dense features and one per categorical feature."""
+        return 1 + len(self.cardinalities)
+
+    def tables(self, dim: int) -> tuple[Table, ...]:
+        """One embedding table of `dim` values a row per categorical feature, as many rows as it has values."""
+        return tuple(Table(self.table_name(i), self.feature_name(i), rows, dim)
+                     for i, rows in enumerate(self.cardinalities))
 
 
 def is_hash_buckets(value: Any) -> bool:
