@@ -255,7 +255,7 @@ class CriteoConfig(Checked):
     """A damaged input line: "fail" names its file and line; "skip" skips it and counts it in the manifest."""
     hash_buckets: Any = field(default=100_000, metadata=bounds(valid=is_hash_buckets, allowed=HASH_BUCKETS_ALLOWED))
     """Categorical values are hashed into this many buckets per column (plus one for "missing"): one count for
-    all 26 columns, or a list of 26 counts, one per column, so that each table has its own size."""
+    all 26 columns, or a list of 26 counts, one per column (`+experiment=dlrm_dcnv2` sets MLPerf's)."""
     batch_size: int = field(default=256, metadata=bounds(ge=1))
     """Samples per rank per micro-step at the configured world size (see SyntheticClicksConfig)."""
     global_batch_size: Optional[int] = field(default=None, metadata=bounds(ge=1))
