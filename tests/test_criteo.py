@@ -19,7 +19,8 @@ from gpujobs.data.prepare import BadLineError, PreparePlan, prepare_store
 from gpujobs.data.reader import SampleStore
 from jobs.rec.criteo import CriteoFormatError, read_criteo_tsv
 from jobs.rec.criteo_scan import _compile
-from jobs.rec.criteo_store import MAX_HASH_BUCKETS, CriteoParser
+from jobs.rec.criteo_store import CriteoParser
+from jobs.rec.features import HASH_BUCKETS_ALLOWED, MAX_HASH_BUCKETS, criteo_features
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -60,7 +61,7 @@ def _parse_all(parser: CriteoParser, path: Path, bad_lines: str = "fail") -> tup
     return columns, sum(chunk.bad_lines for chunk in chunks)
 
 
-def _assert_same_as_today(columns: dict[str, np.ndarray], path: Path, hash_buckets: int) -> None:
+def _assert_same_as_today(columns: dict[str, np.ndarray], path: Path, hash_buckets: int | list[int]) -> None:
     today = read_criteo_tsv(path, hash_buckets)
     np.testing.assert_array_equal(columns["label"].astype(np.float32), today.label.numpy())
     np.testing.assert_array_equal(columns["dense"], today.dense.numpy())
@@ -110,6 +111,26 @@ def test_parser_columns_and_settings() -> None:
         ("label", "|u1", 1), ("dense", "<f4", 13), ("sparse", "<i4", 26)]
     assert parser.settings() == {"hash_buckets": 1000, "hash": "crc32", "dense": "log1p"}
     assert parser.name == "jobs.rec.criteo_store:CriteoParser"
+
+
+#: Per-column buckets as MLPerf's tables vary them (3 to millions), a column of one bucket among them.
+PER_COLUMN = [1 << 20, 3, 977, 1, 50, 7, 2, 100003, 63, 1 << 30, 10, 4, 5, 6, 7, 8, 9, 11, 12, 13, 14, 15, 16, 17,
+              18, 19]
+
+
+@pytest.mark.parametrize("block_bytes", [1 << 20, 3000])
+def test_parser_hashes_each_column_into_its_own_buckets(tmp_path: Path, block_bytes: int) -> None:
+    path = tmp_path / "day.tsv"
+    path.write_text("".join(_random_lines(300, seed=5) + _fast_lines(300, seed=6)), encoding="utf-8")
+    parser = CriteoParser(hash_buckets=PER_COLUMN, block_bytes=block_bytes)
+    columns, _ = _parse_all(parser, path)
+    _assert_same_as_today(columns, path, PER_COLUMN)  # the compiled pass and the line rules, column by column
+    assert (columns["sparse"].max(axis=0) <= PER_COLUMN).all()
+    assert (columns["sparse"].max(axis=0)[[1, 3, 6]] == [3, 1, 2]).all()  # a small table's buckets are all used
+    assert criteo_features(PER_COLUMN).cardinalities == tuple(b + 1 for b in PER_COLUMN)  # "missing" is row 0
+    assert parser.settings()["hash_buckets"] == PER_COLUMN
+    # the same count for every column hashes as that int does, and is recorded as an int config's store is
+    assert CriteoParser(hash_buckets=[977] * 26).settings() == CriteoParser(hash_buckets=977).settings()
 
 
 @pytest.mark.parametrize(("block_bytes", "threads"), [(1 << 20, 1), (3000, 1), (3000, 3)])  # many blocks: lines
@@ -296,10 +317,14 @@ def test_threads_below_one_are_refused() -> None:
         CriteoParser(hash_buckets=10, threads=0)
 
 
-@pytest.mark.parametrize("hash_buckets", [0, MAX_HASH_BUCKETS + 1])
-def test_hash_buckets_out_of_int32_range_is_refused(hash_buckets: int) -> None:
-    with pytest.raises(ValueError, match=f"hash_buckets={hash_buckets} is invalid: allowed 1..{MAX_HASH_BUCKETS}"):
-        CriteoParser(hash_buckets=hash_buckets)
+@pytest.mark.parametrize("hash_buckets", [0, MAX_HASH_BUCKETS + 1, True, [10] * 25, [10] * 27, [10] * 25 + [0],
+                                          [10] * 25 + [MAX_HASH_BUCKETS + 1], [10] * 25 + [2.0]])
+def test_hash_buckets_out_of_int32_range_or_not_one_per_column_is_refused(hash_buckets: object) -> None:
+    with pytest.raises(ValueError) as caught:
+        CriteoParser(hash_buckets=hash_buckets)  # type: ignore[arg-type]
+    assert str(caught.value) == f"hash_buckets={hash_buckets!r} is invalid: allowed {HASH_BUCKETS_ALLOWED}"
+    with pytest.raises(ValueError, match=re.escape(HASH_BUCKETS_ALLOWED)):
+        read_criteo_tsv(Path("never-opened.tsv"), hash_buckets)  # type: ignore[arg-type]
 
 
 def test_unknown_bad_lines_mode_is_refused(tmp_path: Path) -> None:

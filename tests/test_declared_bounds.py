@@ -21,7 +21,7 @@ from gpujobs.base.errors import ConfigError
 from gpujobs.config.load import load_config
 from gpujobs.config.schema import PLUGINS, SECTIONS, JobConfig, ScriptConfig
 from gpujobs.config.validate import Bounds, allowed_text, declared
-from jobs.rec.config import CriteoConfig, DLRMConfig, SyntheticClicksConfig
+from jobs.rec.config import CriteoConfig, DCNv2Config, DLRMConfig, SyntheticClicksConfig
 
 BASE = ("+experiment=rec", "cluster=slurm")
 CRITEO = (*BASE, "data=criteo", "data.train_files=/d/day_*.gz", "data.eval_files=/d/e.gz", "data.store=/d/store")
@@ -31,6 +31,7 @@ SCHEMAS: list[tuple[str, type[Any], tuple[str, ...]]] = [
     ("", JobConfig, BASE),
     *((key, schema, BASE) for key, schema in SECTIONS.items()),
     ("model", DLRMConfig, BASE),
+    ("model", DCNv2Config, (*BASE, "model=dcnv2")),
     ("data", SyntheticClicksConfig, BASE),
     ("data", CriteoConfig, CRITEO),
     ("script", ScriptConfig, SCRIPT),
@@ -38,6 +39,7 @@ SCHEMAS: list[tuple[str, type[Any], tuple[str, ...]]] = [
 #: A value each `valid=` test refuses (a new field declared with `valid=` needs one here).
 INVALID_SAMPLES: dict[str, object] = {
     "prometheus_addr": "not a host name", "store": "  ", "train_files": [" "], "eval_files": 3,
+    "hash_buckets": [1000] * 25,
 }
 
 
@@ -174,7 +176,7 @@ def test_allowed_text_reads_as_before(b: Bounds, kind: Any, item: Any, optional:
 
 def test_plugins_are_validated_by_the_same_validator() -> None:
     assert set(PLUGINS) == {"model", "data"}
-    for schema in (DLRMConfig, SyntheticClicksConfig, CriteoConfig):
+    for schema in (DLRMConfig, DCNv2Config, SyntheticClicksConfig, CriteoConfig):
         assert declared(schema), schema
     with pytest.raises(ConfigError, match=r"^embedding_dim=True is invalid"):
         DLRMConfig(embedding_dim=True)  # bool is an int subclass; a typo, not 1

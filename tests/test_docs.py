@@ -28,7 +28,7 @@ README = REPO / "README.md"
 # the other data source, both trackers and a bring-your-own script, so that together they print every key a
 # schema has.
 REC = ("+experiment=rec",)
-OTHERS = ("+experiment=rec", "cluster=kubernetes", "data=criteo", "logger=[tensorboard,mlflow]",
+OTHERS = ("+experiment=rec", "cluster=kubernetes", "data=criteo", "model=dcnv2", "logger=[tensorboard,mlflow]",
           "+script.path=train.py", "+script.args=[]", "+script.cwd=null")
 
 
@@ -101,7 +101,7 @@ def test_every_declared_bound_is_in_its_keys_entry(config_page: str, tmp_path: P
     script = tmp_path / "train.py"
     script.write_text("")
     jobs = [compose_job(*REC), compose_job("+experiment=rec", "data=criteo", "data.train_files=a", "data.store=/s",
-                                           "logger=[tensorboard,mlflow]", f"+script.path={script}")]
+                                           "model=dcnv2", "logger=[tensorboard,mlflow]", f"+script.path={script}")]
     listed, markdown, checked = entries(config_page), load_generator().markdown, 0
     for key, texts in listed.items():
         for job in jobs:

@@ -21,7 +21,7 @@ from gpujobs.base.errors import ConfigError
 from gpujobs.data import prepare
 from gpujobs.data.manifest import ColumnSpec
 from gpujobs.data.reader import SampleStore
-from jobs.rec.config import BAD_LINES, CriteoConfig, DLRMConfig, SyntheticClicksConfig
+from jobs.rec.config import BAD_LINES, CriteoConfig, DCNv2Config, DLRMConfig, SyntheticClicksConfig
 from jobs.rec.data import FeatureSpec, RecBatch, RecData, StoreRows
 from jobs.rec.metrics import auc, logloss
 from jobs.rec.synthetic import generate_clicks
@@ -55,6 +55,11 @@ def test_config_import_leaves_torch_unimported() -> None:
         (CriteoConfig, {"store": " "}, "store"),
         (CriteoConfig, {"store": "/s", "hash_buckets": 0}, "hash_buckets"),
         (CriteoConfig, {"store": "/s", "hash_buckets": 2**31 - 1}, "hash_buckets"),  # an index must fit int32
+        (CriteoConfig, {"store": "/s", "hash_buckets": [10] * 25}, "hash_buckets"),  # one per categorical column
+        (CriteoConfig, {"store": "/s", "hash_buckets": [10] * 25 + [0]}, "hash_buckets"),
+        (CriteoConfig, {"store": "/s", "hash_buckets": [10] * 25 + [2**31 - 1]}, "hash_buckets"),
+        (CriteoConfig, {"store": "/s", "hash_buckets": [10] * 25 + [True]}, "hash_buckets"),
+        (CriteoConfig, {"store": "/s", "hash_buckets": "1000"}, "hash_buckets"),
         (CriteoConfig, {"store": "/s", "bad_lines": "ignore"}, "bad_lines"),
         (CriteoConfig, {"store": "/s", "prepare_workers": 0}, "prepare_workers"),
         (CriteoConfig, {"store": "/s", "train_files": ["/d/a.gz", " "]}, "train_files"),
@@ -73,6 +78,7 @@ def test_config_rejects_bad_values_naming_the_key(schema: type, kwargs: dict[str
     ("yaml_name", "schema", "required"),
     [
         ("model/dlrm.yaml", DLRMConfig, {}),
+        ("model/dcnv2.yaml", DCNv2Config, {}),
         ("data/synthetic.yaml", SyntheticClicksConfig, {}),
         ("data/criteo.yaml", CriteoConfig, {"store": "/data/store"}),
     ],
@@ -328,6 +334,46 @@ def test_criteo_prepare_plan_expands_the_globs(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as caught:
         dataclasses.replace(cfg, train_files=[str(tmp_path / "none_*.gz")]).prepare_plan()
     assert caught.value.key == "data.train_files"
+
+
+@pytest.mark.parametrize("value", ["[10,10]", "[" + "10," * 25 + "0]", "[a,b]", "1.5", "0"])
+def test_bad_hash_buckets_on_a_command_line_is_one_line_naming_the_key(value: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        compose_job("+experiment=rec", "data=criteo", "data.store=/d/store", f"data.hash_buckets={value}")
+    assert caught.value.key == "data.hash_buckets"
+    assert "\n" not in str(caught.value)
+    assert str(caught.value).endswith("is invalid: allowed an integer in [1, 2147483646] for every categorical "
+                                      "column, or a list of 26 such integers, one per column (int32 indices)")
+
+
+def test_the_data_configs_give_their_feature_shape_torch_free() -> None:
+    per_column = list(range(1, 27))
+    assert SMALL.features() == FeatureSpec(3, (50, 20, 10)) == generate_clicks(SMALL).features
+    assert CriteoConfig(store="/s", hash_buckets=16).features() == FeatureSpec(13, (17,) * 26)
+    assert CriteoConfig(store="/s", hash_buckets=per_column).features() == FeatureSpec(13, tuple(range(2, 28)))
+    job = compose_job("+experiment=rec", "data=criteo", "data.store=/d/store", f"data.hash_buckets={per_column}")
+    assert job.data.hash_buckets == per_column and job.data.features().cardinalities[-1] == 27
+    code = ("import sys; from jobs.rec.config import CriteoConfig, SyntheticClicksConfig;"
+            "CriteoConfig(store='/s', hash_buckets=list(range(1, 27))).features(); SyntheticClicksConfig().features();"
+            "assert 'torch' not in sys.modules and 'numpy' not in sys.modules, 'imported'")
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)
+
+
+def test_criteo_config_of_per_column_buckets_reads_its_store(tmp_path: Path) -> None:
+    per_column = [3] * 13 + [1000] * 13
+    cfg = CriteoConfig(store=str(tmp_path / "store"), hash_buckets=per_column, batch_size=4)
+    parser = cfg.parser()
+    assert parser.settings()["hash_buckets"] == per_column
+    day = {"label": np.zeros(20, np.uint8), "dense": np.zeros((20, 13), np.float32),
+           "sparse": np.full((20, 26), 3, np.int32)}
+    splits = {"train": [day], "eval": [day]}
+    store_from_arrays(tmp_path / "store", parser.name, parser.settings(), parser.columns(), splits)
+    data = cfg.build(world_size=1, micro_batches=1)
+    assert data.features == FeatureSpec(13, (4,) * 13 + (1001,) * 13)
+    assert data.train_rows(0, 0, 4).sparse.tolist() == [[3] * 26] * 4  # the smallest tables' last rows are theirs
+    with pytest.raises(ConfigError, match=r"^data\.store=.*prepared with hash_buckets=\[3, .*\], this job has "
+                                          r"hash_buckets=1000"):
+        dataclasses.replace(cfg, hash_buckets=1000).build(world_size=1, micro_batches=1)
 
 
 def test_criteo_config_builds_the_global_stream_from_its_store(tmp_path: Path) -> None:

@@ -11,20 +11,25 @@ calls it, so the global batch is checked at submit, not first inside the ranks.
 
 from __future__ import annotations
 
+import abc
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Optional
 
 from gpujobs.base.errors import ConfigError
+from gpujobs.config.model_shape import ModelShape
 from gpujobs.config.validate import Checked, bounds, check_slurm_path, check_text
+from jobs.rec.features import HASH_BUCKETS_ALLOWED, FeatureSpec, criteo_features, is_hash_buckets
+from jobs.rec.sizes import cross_parameters, mlp_parameters
 
 if TYPE_CHECKING:
     from gpujobs.config.schema import JobConfig
     from gpujobs.data.prepare import PreparePlan
     from jobs.rec.criteo_store import CriteoParser
-    from jobs.rec.data import FeatureSpec, RecData
-    from jobs.rec.model import DLRM
+    from jobs.rec.data import RecData
+    from jobs.rec.dcnv2 import DCNv2
+    from jobs.rec.model import DLRM, RecModel
 
 INTERACTIONS = ("dot", "cat")
 #: gpujobs.data.prepare.BAD_LINES (a test holds them equal), spelled here: importing the data layer (numpy)
@@ -59,35 +64,96 @@ def check_global_batch(
 
 
 @dataclass(kw_only=True)
-class DLRMConfig(Checked):
-    """A DLRM-style model: embeddings + bottom MLP, pairwise interaction, top MLP to one logit."""
+class RecModelConfig(Checked, abc.ABC):
+    """What the rec models' schemas share: embedding tables and a bottom MLP making F = 1 + num_categorical
+    vectors of `embedding_dim`, an interaction of them, a top MLP to one logit (`jobs.rec.model.RecModel`)."""
 
-    _target_: str = "jobs.rec.config.DLRMConfig"
+    _target_: str
     """Hydra instantiates this schema; the trainer then calls `build`."""
     embedding_dim: int = field(default=16, metadata=bounds(ge=1))
-    """Width of every embedding vector and of the bottom MLP's output (dot products need them equal)."""
+    """Width of every embedding vector and of the bottom MLP's output (the interaction takes F such vectors)."""
     bottom_mlp: list[int] = field(default_factory=lambda: [64], metadata=bounds(ge=1))
     """Hidden sizes of the dense-feature MLP; a last layer to `embedding_dim` is always added."""
     top_mlp: list[int] = field(default_factory=lambda: [64, 32], metadata=bounds(ge=1))
     """Hidden sizes of the MLP over the interaction output; a last layer to one logit is always added."""
+    embedding_lr_scale: float = field(default=8.0, metadata=bounds(gt=0.0, lt=1e3))
+    """Multiplies the embeddings' effective learning rate under Adam (see `jobs.rec.model.EmbeddingTables`);
+    1 disables it."""
+
+    @abc.abstractmethod
+    def build(self, features: FeatureSpec) -> RecModel:
+        """The model for `features`, initialised from torch's global RNG (the trainer seeds it)."""
+
+    @abc.abstractmethod
+    def top_width(self, features: FeatureSpec) -> int:
+        """The width of the interaction's output, the top MLP's input."""
+
+    @abc.abstractmethod
+    def interaction_parameters(self, features: FeatureSpec) -> int:
+        """The parameters of the interaction (none for a fixed one, such as dot products)."""
+
+    def shape(self, features: FeatureSpec) -> ModelShape:
+        """The model `build(features)` makes, from the config alone (torch-free, for memory plans): one table
+        per categorical feature (`FeatureSpec.tables`), and the count of every other parameter."""
+        bottom = mlp_parameters(features.num_dense, self.bottom_mlp, self.embedding_dim)
+        top = mlp_parameters(self.top_width(features), self.top_mlp, 1)
+        dense = bottom + self.interaction_parameters(features) + top
+        return ModelShape(tables=features.tables(self.embedding_dim), dense_parameters=dense)
+
+
+@dataclass(kw_only=True)
+class DLRMConfig(RecModelConfig):
+    """A DLRM-style model: embeddings + bottom MLP, pairwise interaction, top MLP to one logit."""
+
+    _target_: str = "jobs.rec.config.DLRMConfig"
+    """Hydra instantiates this schema; the trainer then calls `build`."""
     interaction: str = field(default="dot", metadata=bounds(one_of=INTERACTIONS))
     """"dot": pairwise dot products of all feature vectors (DLRM); "cat": plain concatenation."""
-    embedding_lr_scale: float = field(default=8.0, metadata=bounds(gt=0.0, lt=1e3))
-    """Multiplies the embeddings' effective learning rate under Adam (see `DLRM`); 1 disables it."""
 
     def build(self, features: FeatureSpec) -> DLRM:
         """The model for `features`, initialised from torch's global RNG (the trainer seeds it)."""
         from jobs.rec.model import DLRM
 
-        return DLRM(
-            num_dense=features.num_dense,
-            cardinalities=features.cardinalities,
-            embedding_dim=self.embedding_dim,
-            bottom_mlp=self.bottom_mlp,
-            top_mlp=self.top_mlp,
-            interaction=self.interaction,
-            embedding_lr_scale=self.embedding_lr_scale,
-        )
+        return DLRM(features, self)
+
+    def top_width(self, features: FeatureSpec) -> int:
+        """The dense vector and the pairwise dot products ("dot"), or all F vectors ("cat")."""
+        if self.interaction == "dot":
+            return self.embedding_dim + features.num_vectors * (features.num_vectors - 1) // 2
+        return self.embedding_dim * features.num_vectors
+
+    def interaction_parameters(self, features: FeatureSpec) -> int:
+        """None: dot products and concatenation learn nothing."""
+        return 0
+
+
+@dataclass(kw_only=True)
+class DCNv2Config(RecModelConfig):
+    """DLRM-DCNv2, MLPerf Training's recommendation model: the F vectors concatenated go through low-rank
+    DCN-v2 cross layers, then the top MLP (`jobs.rec.dcnv2.DCNv2`). `+experiment=dlrm_dcnv2` sets the
+    reference's sizes."""
+
+    _target_: str = "jobs.rec.config.DCNv2Config"
+    """Hydra instantiates this schema; the trainer then calls `build`."""
+    cross_layers: int = field(default=2, metadata=bounds(ge=1))
+    """Cross layers x_next = x0 * (U (V x) + b) + x over the F x embedding_dim concatenated values."""
+    low_rank: int = field(default=16, metadata=bounds(ge=1))
+    """Rank of each cross layer's U V (V: F x embedding_dim -> low_rank, U: back): 2 x F x embedding_dim x
+    low_rank weights a layer, which full rank would square."""
+
+    def build(self, features: FeatureSpec) -> DCNv2:
+        """The model for `features`, initialised from torch's global RNG (the trainer seeds it)."""
+        from jobs.rec.dcnv2 import DCNv2
+
+        return DCNv2(features, self)
+
+    def top_width(self, features: FeatureSpec) -> int:
+        """The F vectors concatenated, as the cross layers leave them."""
+        return features.num_vectors * self.embedding_dim
+
+    def interaction_parameters(self, features: FeatureSpec) -> int:
+        """The cross layers' V, U and b."""
+        return cross_parameters(self.top_width(features), self.low_rank, self.cross_layers)
 
 
 @dataclass(kw_only=True)
@@ -145,6 +211,10 @@ class SyntheticClicksConfig(Checked):
         """Samples per optimizer step: global_batch_size, else batch_size per rank of `world_size`."""
         return self.global_batch_size or self.batch_size * world_size * micro_batches
 
+    def features(self) -> FeatureSpec:
+        """The log's feature shape: `num_dense` dense features, a categorical one per `cardinalities` entry."""
+        return FeatureSpec(self.num_dense, tuple(self.cardinalities))
+
     def build(self, world_size: int, micro_batches: int) -> RecData:
         """Generate the log (identically on every rank) and its global sample stream; `world_size` is the
         configured one, which only sizes the default global batch."""
@@ -183,8 +253,9 @@ class CriteoConfig(Checked):
     elsewhere): `gpujobs prepare` writes it, training reads it."""
     bad_lines: str = field(default="fail", metadata=bounds(one_of=BAD_LINES))
     """A damaged input line: "fail" names its file and line; "skip" skips it and counts it in the manifest."""
-    hash_buckets: int = field(default=100_000, metadata=bounds(ge=1, lt=2**31 - 1, note="int32 indices"))
-    """Categorical values are hashed into this many buckets per feature (plus one for "missing")."""
+    hash_buckets: Any = field(default=100_000, metadata=bounds(valid=is_hash_buckets, allowed=HASH_BUCKETS_ALLOWED))
+    """Categorical values are hashed into this many buckets per column (plus one for "missing"): one count for
+    all 26 columns, or a list of 26 counts, one per column (`+experiment=dlrm_dcnv2` sets MLPerf's)."""
     batch_size: int = field(default=256, metadata=bounds(ge=1))
     """Samples per rank per micro-step at the configured world size (see SyntheticClicksConfig)."""
     global_batch_size: Optional[int] = field(default=None, metadata=bounds(ge=1))
@@ -202,10 +273,17 @@ class CriteoConfig(Checked):
         self.train_files = _patterns("train_files", self.train_files)
         self.eval_files = _patterns("eval_files", self.eval_files)
         self.store = str(Path(self.store).expanduser().absolute())
+        if not isinstance(self.hash_buckets, int):  # a list, as a command line or YAML gives it
+            self.hash_buckets = list(self.hash_buckets)
 
     def global_batch(self, world_size: int, micro_batches: int) -> int:
         """Samples per optimizer step: global_batch_size, else batch_size per rank of `world_size`."""
         return self.global_batch_size or self.batch_size * world_size * micro_batches
+
+    def features(self) -> FeatureSpec:
+        """The stores' feature shape: 13 dense features, and categorical column c's index 0 ("missing") and
+        1..hash_buckets[c] (`jobs.rec.features.criteo_features`)."""
+        return criteo_features(self.hash_buckets)
 
     def parser(self) -> CriteoParser:
         """The parser that prepares this config's store (its name and settings are recorded in the manifest)."""
@@ -259,14 +337,13 @@ class CriteoConfig(Checked):
         """Open the store (checked as at submit) and its global sample stream (see SyntheticClicksConfig.build):
         no row is read here, and nothing per row is allocated."""
         from gpujobs.data.reader import SampleStore
-        from jobs.rec.criteo import criteo_features
         from jobs.rec.data import RecData, StoreRows
 
         parser = self.parser()
         store = SampleStore.open(Path(self.store), parser.name, parser.settings())
         rows = store.rows("train")  # the batch rule again: a Slurm job's store may not have been visible at submit
         check_global_batch(self, world_size, micro_batches, rows, f"the {rows} training rows of data.store")
-        features = criteo_features(self.hash_buckets)
+        features = self.features()
         return RecData(
             features,
             StoreRows(store, "train", features, self.store),

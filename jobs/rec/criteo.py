@@ -7,8 +7,8 @@ line live in `jobs.rec.criteo_store`, with the parser that prepares whole files 
 
 from __future__ import annotations
 
-import zlib
 from array import array
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -17,29 +17,26 @@ from jobs.rec.criteo_store import (
     NUM_CATEGORICAL,
     NUM_INTEGER,
     CriteoFormatError,
+    category_index,
     integer_feature_value,
     label_value,
     split_fields,
 )
-from jobs.rec.data import FeatureSpec, RecBatch
+from jobs.rec.data import RecBatch
+from jobs.rec.features import column_buckets, criteo_features
 
 __all__ = ["CriteoFormatError", "criteo_features", "read_criteo_tsv"]
 
 
-def criteo_features(hash_buckets: int) -> FeatureSpec:
-    """The feature shape of Criteo data: index 0 of each table is "missing", 1..hash_buckets hashed."""
-    return FeatureSpec(NUM_INTEGER, (hash_buckets + 1,) * NUM_CATEGORICAL)
-
-
-def read_criteo_tsv(path: str | Path, hash_buckets: int) -> RecBatch:
+def read_criteo_tsv(path: str | Path, hash_buckets: int | Sequence[int]) -> RecBatch:
     """All samples of the file at `path`, in file order.
 
     Integer feature x becomes log1p(max(x, 0)) (counts are heavy-tailed; Criteo has a few negatives),
-    missing becomes 0. A categorical value becomes 1 + crc32(value) % hash_buckets, missing becomes 0;
-    crc32, unlike Python's salted `hash()`, gives every rank and every run the same index.
+    missing becomes 0. A value of categorical column c becomes 1 + crc32(value) % buckets[c] (`hash_buckets`:
+    one count for every column, or one per column), missing becomes 0; crc32, unlike Python's salted
+    `hash()`, gives every rank and every run the same index.
     """
-    if hash_buckets < 1:
-        raise ValueError(f"hash_buckets must be >= 1, got {hash_buckets}")
+    buckets = column_buckets(hash_buckets)
     labels = array("f")
     dense = array("f")
     sparse = array("q")
@@ -49,8 +46,8 @@ def read_criteo_tsv(path: str | Path, hash_buckets: int) -> RecBatch:
             labels.append(label_value(fields[0], path, number))
             for column in range(1, 1 + NUM_INTEGER):
                 dense.append(integer_feature_value(fields[column], path, number, column))
-            for value in fields[1 + NUM_INTEGER :]:
-                sparse.append(1 + zlib.crc32(value.encode()) % hash_buckets if value else 0)
+            for value, count in zip(fields[1 + NUM_INTEGER :], buckets, strict=True):
+                sparse.append(category_index(value, count))
     if not labels:
         raise CriteoFormatError(f"{path}: no samples")
     # frombuffer reads the arrays without a per-element Python loop; clone() gives torch its own memory.

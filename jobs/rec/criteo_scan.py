@@ -9,7 +9,7 @@
 - tabs between the 40 fields, and a line end of `\\n`, `\\r\\n`, or the end of the block.
 
 It writes what `read_criteo_tsv` gives for such a line: label 0/1, float32 log1p(max(x, 0)) (missing 0),
-and 1 + crc32(value) % hash_buckets (missing 0). Any other line (a damaged one, or one Python's `int()`
+and 1 + crc32(value) % buckets[c] (missing 0) in column c. Any other line (a damaged one, or one Python's `int()`
 reads and this does not: " 5", "1_000", "0x1f"'s refusal, a 19-digit count) stops the scan; the caller then
 applies the line-by-line rules to the block. Imported only where a block is parsed: numba takes a quarter
 of a second to import, which the submit side and the trainer do not pay.
@@ -52,9 +52,10 @@ def _compile(function: Callable[..., Any]) -> Any:
 
 
 @_compile
-def scan_block(data: np.ndarray, hash_buckets: int, crc_table: np.ndarray, log1p_table: np.ndarray,
+def scan_block(data: np.ndarray, buckets: np.ndarray, crc_table: np.ndarray, log1p_table: np.ndarray,
                label: np.ndarray, dense: np.ndarray, sparse: np.ndarray) -> int:
-    """Scan the uint8 `data` into `label` [rows] |u1, `dense` [rows, 13] <f4, `sparse` [rows, 26] <i4.
+    """Scan the uint8 `data` into `label` [rows] |u1, `dense` [rows, 13] <f4, `sparse` [rows, 26] <i4, column
+    c's categories hashed into `buckets[c]` (int64 [26]).
 
     Returns the lines read, or -1 at the first line not in the plain form (or past `rows` lines).
     """
@@ -110,6 +111,6 @@ def scan_block(data: np.ndarray, hash_buckets: int, crc_table: np.ndarray, log1p
                 if pos < end and data[pos] != _LINE_FEED:
                     return -1  # a 41st field, or a "\r" inside the line (data, which the line rules keep)
             pos += 1  # past the tab or the line end (or past the end of the block)
-            sparse[row, column] = 0 if length == 0 else 1 + (crc ^ 0xFFFFFFFF) % hash_buckets
+            sparse[row, column] = 0 if length == 0 else 1 + (crc ^ 0xFFFFFFFF) % buckets[column]
         row += 1
     return row if row == label.shape[0] else -1

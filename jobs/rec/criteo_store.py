@@ -14,9 +14,9 @@ from __future__ import annotations
 import math
 import zlib
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -26,12 +26,11 @@ import pyarrow as pa
 from gpujobs.base.errors import GpujobsError
 from gpujobs.data.manifest import ColumnSpec
 from gpujobs.data.prepare import BAD_LINES, BadLineError, ParsedChunk
+from jobs.rec.features import CRITEO_CATEGORICAL as NUM_CATEGORICAL
+from jobs.rec.features import CRITEO_INTEGER as NUM_INTEGER
+from jobs.rec.features import column_buckets
 
-NUM_INTEGER = 13
-NUM_CATEGORICAL = 26
 NUM_COLUMNS = 1 + NUM_INTEGER + NUM_CATEGORICAL
-MAX_HASH_BUCKETS = 2**31 - 2
-"""The most hash buckets: an index 1 + crc % hash_buckets <= 2**31 - 2 fits the store's int32 column."""
 
 class CriteoFormatError(GpujobsError, ValueError):
     """A line of a Criteo-format file cannot be parsed; the message names the file and line."""
@@ -77,23 +76,27 @@ class CriteoParser:
 
     Columns: `label` |u1 (0 or 1: exact in one byte, a quarter of a float's disk and page cache; the
     reader makes it a float per batch), `dense` <f4 x 13 (log1p(max(x, 0)), missing 0), `sparse` <i4 x 26
-    (1 + crc32(value) % hash_buckets, missing 0): the values `read_criteo_tsv` gives, sparse included.
-    Only `hash_buckets` changes the output; `block_bytes` and `threads` change speed and memory.
+    (1 + crc32(value) % buckets[c] in column c, missing 0): the values `read_criteo_tsv` gives, sparse
+    included. Only `hash_buckets` changes the output; `block_bytes` and `threads` change speed and memory.
     """
 
-    hash_buckets: int
+    hash_buckets: int | Sequence[int]
+    """Buckets of every categorical column, or of each (26 counts): `jobs.rec.features.column_buckets`."""
     block_bytes: int = 4 << 20
     """Decompressed bytes parsed at once (a few MB stay in cache): what a damaged line makes re-read in Python."""
     threads: int = 1
     """Blocks parsed at once, a thread each (pyarrow and numpy release the GIL): 1 where prepare runs a worker
     process per core; the cores a worker has to itself otherwise (one big file: one worker, all cores)."""
+    _buckets: np.ndarray = field(init=False, repr=False, compare=False)
+    """int64 [26]: each column's buckets, as the compiled scan reads them (set from hash_buckets)."""
 
     name: ClassVar[str] = "jobs.rec.criteo_store:CriteoParser"
 
     def __post_init__(self) -> None:
-        if not 1 <= self.hash_buckets <= MAX_HASH_BUCKETS:
-            raise ValueError(
-                f"hash_buckets={self.hash_buckets} is invalid: allowed 1..{MAX_HASH_BUCKETS} (int32 indices)")
+        buckets = column_buckets(self.hash_buckets)  # ValueError naming hash_buckets
+        if not isinstance(self.hash_buckets, int):
+            object.__setattr__(self, "hash_buckets", buckets)  # a tuple: the parser stays frozen and hashable
+        object.__setattr__(self, "_buckets", np.array(buckets, dtype=np.int64))  # what the compiled scan reads
         if self.block_bytes < 1:
             raise ValueError(f"block_bytes={self.block_bytes} is invalid: allowed >= 1")
         if self.threads < 1:
@@ -105,8 +108,11 @@ class CriteoParser:
                 ColumnSpec("sparse", "<i4", NUM_CATEGORICAL))
 
     def settings(self) -> dict[str, Any]:
-        """What changes the output, recorded in the manifest and compared when a store is opened."""
-        return {"hash_buckets": self.hash_buckets, "hash": "crc32", "dense": "log1p"}
+        """What changes the output, recorded in the manifest and compared when a store is opened: hash_buckets
+        as one count where every column has it (what an int config has always recorded), else the list."""
+        buckets = column_buckets(self.hash_buckets)
+        recorded = buckets[0] if len(set(buckets)) == 1 else list(buckets)
+        return {"hash_buckets": recorded, "hash": "crc32", "dense": "log1p"}
 
     def parse(self, path: Path, bad_lines: str) -> Iterator[ParsedChunk]:
         """The rows of the file at `path`, a block at a time; an empty file has none.
@@ -163,7 +169,7 @@ class CriteoParser:
         dense = np.empty((rows, NUM_INTEGER), dtype=np.float32)
         sparse = np.empty((rows, NUM_CATEGORICAL), dtype=np.int32)
         data = np.frombuffer(block, dtype=np.uint8)
-        if scan_block(data, self.hash_buckets, CRC_TABLE, LOG1P_TABLE, label, dense, sparse) != rows:
+        if scan_block(data, self._buckets, CRC_TABLE, LOG1P_TABLE, label, dense, sparse) != rows:
             return None
         return ParsedChunk(columns={"label": label, "dense": dense, "sparse": sparse}, bad_lines=0)
 
@@ -203,7 +209,8 @@ class CriteoParser:
         fields = split_fields(text, path, number)
         label = label_value(fields[0], path, number)
         integers = [integer_feature_value(fields[c], path, number, c) for c in range(1, 1 + NUM_INTEGER)]
-        categories = [category_index(value, self.hash_buckets) for value in fields[1 + NUM_INTEGER :]]
+        categories = [category_index(value, int(buckets))
+                      for value, buckets in zip(fields[1 + NUM_INTEGER :], self._buckets, strict=True)]
         return label, integers, categories
 
 

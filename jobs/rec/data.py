@@ -8,7 +8,6 @@ decides which rows make up each step's global batch (the trainer decides who rea
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import numpy as np
@@ -17,6 +16,7 @@ import torch
 from gpujobs.base.errors import ConfigError
 from gpujobs.data.shuffle import IndexShuffle
 from gpujobs.rank.rng import derive_seed
+from jobs.rec.features import FeatureSpec  # defined torch-free, for the submit side; served from here too
 
 if TYPE_CHECKING:
     from gpujobs.data.reader import SampleStore
@@ -30,16 +30,6 @@ GENERATOR_STREAM = 0
 """`derive_seed` stream of the synthetic click log."""
 SHUFFLE_STREAM = 1
 """`derive_seed` stream of the epoch permutations (the keys of `IndexShuffle`)."""
-
-
-@dataclass(frozen=True)
-class FeatureSpec:
-    """The shape of a sample's features, which is all the model needs to know about the data."""
-
-    num_dense: int
-    """Real-valued features per sample."""
-    cardinalities: tuple[int, ...]
-    """Number of distinct (index) values of each categorical feature."""
 
 
 class RecBatch(NamedTuple):

@@ -109,8 +109,7 @@ def generate_clicks(cfg: SyntheticClicksConfig) -> ClickLog:
     split = cfg.num_train
     train = RecBatch(dense[:split], sparse[:split], label[:split])
     eval = RecBatch(dense[split:], sparse[split:], label[split:])
-    features = FeatureSpec(cfg.num_dense, tuple(cfg.cardinalities))
-    return ClickLog(features, train, eval, auc(probability[split:], label[split:]))
+    return ClickLog(cfg.features(), train, eval, auc(probability[split:], label[split:]))
 
 
 def _zipf_values(

@@ -11,7 +11,7 @@ from torch import nn
 
 from gpujobs.rank import collectives
 from gpujobs.rank.task import eval_share
-from jobs.rec.config import CriteoConfig, DLRMConfig, SyntheticClicksConfig
+from jobs.rec.config import CriteoConfig, RecModelConfig, SyntheticClicksConfig
 from jobs.rec.data import RecBatch, pinned_staging
 from jobs.rec.metrics import BINS, ScoreHistogram
 
@@ -31,7 +31,7 @@ class RecTask:
 
     def __init__(
         self,
-        model_cfg: DLRMConfig,
+        model_cfg: RecModelConfig,
         data_cfg: SyntheticClicksConfig | CriteoConfig,
         world_size: int,
         micro_batches: int,
@@ -48,7 +48,7 @@ class RecTask:
         return self.data.train_rows(step, start, stop, pinned).to(device, non_blocking=pinned)
 
     def loss(self, model: nn.Module, batch: RecBatch) -> torch.Tensor:
-        """Mean binary cross-entropy of `model` (the DLRM, or a DDP wrapper of it) on `batch`."""
+        """Mean binary cross-entropy of `model` (the rec model, or a DDP wrapper of it) on `batch`."""
         logits = model(batch.dense, batch.sparse)
         return F.binary_cross_entropy_with_logits(logits, batch.label)
 
@@ -104,7 +104,7 @@ def _logits(model: nn.Module, batch: RecBatch, device: torch.device) -> torch.Te
 
 
 def build_task(
-    model_cfg: DLRMConfig,
+    model_cfg: RecModelConfig,
     data_cfg: SyntheticClicksConfig | CriteoConfig,
     world_size: int,
     micro_batches: int,
