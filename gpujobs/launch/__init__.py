@@ -59,11 +59,11 @@ def preflight(job: JobConfig, cache: Optional[dict[Any, Any]] = None) -> Optiona
         raise ConfigError("cluster.dry_run", True, NO_SCRIPT)
     _check_container(job, backend)  # before anything else asks the cluster: nothing of it runs outside unasked
     job.logger.check_here()  # a tracker's package missing, a log dir that cannot be: refused here, not on the job side
+    plan = plan_job(job, cache)  # a model that cannot fit needs no data and no cluster's word
     check_data = getattr(job.data, "check_here", None) if job.script is None else None  # a script reads no data
     if check_data is not None:  # e.g. a sample store missing or unfinished: refused here, not after the queue
         check_data(job)
     _check_replay(job)
-    plan = plan_job(job, cache)  # before the cluster is asked: a model that cannot fit needs no cluster's word
     backend.preflight(job, cache)
     return plan
 

@@ -19,6 +19,12 @@ class Task(Protocol):
     A task is built by its builder, `build(model_cfg, data_cfg, world_size, micro_batches)` (the
     config's `task` key names it), after the trainer seeded torch: `world_size` is the configured one,
     for a per-rank batch size's global equivalent; `micro_batches` is trainer.grad_accum.
+
+    Under `parallel=torchrec` the builder is called with `parallel="torchrec"` too: the model's tables are then
+    one `gpujobs.rank.parallel.sharded.TableBags` built on the meta device from the model config's
+    `shape(features)` (the trainer shards it), its batches' categorical features reach it as a
+    `KeyedJaggedTensor` (or indices [B, S] it turns into one), and `evaluate` calls the model the same number
+    of times on every rank (a sharded model's forward is a collective).
     """
 
     model: torch.nn.Module

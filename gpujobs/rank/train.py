@@ -153,7 +153,8 @@ class TrainJob:
         seed_everything(job.trainer.seed)
         build = load_task_builder(job.task)
         # the configured world size sizes a per-rank batch's global batch; the real one may differ (elastic)
-        attempt.task = build(job.model, job.data, job.resources.world_size, job.trainer.grad_accum)
+        sharded = {"parallel": "torchrec"} if job.parallel.name == "torchrec" else {}  # its tables on the meta device
+        attempt.task = build(job.model, job.data, job.resources.world_size, job.trainer.grad_accum, **sharded)
         ckpt = job.checkpoint
         checkpoints = CheckpointManager(
             Path(self.run_dir) / CHECKPOINT_DIR, ckpt.every_steps, ckpt.keep, info.rank,
