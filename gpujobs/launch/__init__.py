@@ -30,17 +30,25 @@ def resolve_cluster(job: JobConfig) -> JobConfig:
 
 
 def check_paths(job: JobConfig, run_dir: Path, sweep_dir: Optional[Path] = None) -> None:
-    """Refuse run-dir paths that Slurm would misread (ConfigError naming the Hydra key), before any write.
+    """Refuse run-dir paths that Slurm or a container runtime would misread (ConfigError naming the Hydra key),
+    before any write.
 
     Control characters are refused for every cluster; `%` and `\\` where the job goes to Slurm, which
-    expands the one in its log paths and drops the other from `#SBATCH` lines. In a sweep, `run_dir` is
-    the point's dir under `sweep_dir`.
+    expands the one in its log paths and drops the other from `#SBATCH` lines; `:` and `,` in what a
+    container mounts at its own path (`ContainerConfig.check_mounted_path`). In a sweep, `run_dir` is the
+    point's dir under `sweep_dir`.
     """
     slurm = backend_for(job).parses_paths
+    run_key = "hydra.run.dir" if sweep_dir is None else "hydra.sweep.subdir"
     if sweep_dir is not None:
         check_slurm_path("hydra.sweep.dir", sweep_dir, slurm=slurm)
-    check_slurm_path("hydra.run.dir" if sweep_dir is None else "hydra.sweep.subdir", run_dir, slurm=slurm)
+    check_slurm_path(run_key, run_dir, slurm=slurm)
     check_slurm_path("cluster.folder", job.cluster.folder, slurm=slurm)
+    store = getattr(job.data, "store", None)  # a data config with a prepared store
+    mounted = [("hydra.runtime.cwd", Path.cwd()), *([("hydra.sweep.dir", sweep_dir)] if sweep_dir else []),
+               (run_key, run_dir), *([("data.store", store)] if store else [])]
+    for key, path in mounted:
+        job.container.check_mounted_path(key, path)
 
 
 def preflight(job: JobConfig, cache: Optional[dict[Any, Any]] = None) -> None:
