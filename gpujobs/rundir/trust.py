@@ -9,7 +9,13 @@ the pickles are read and the ranks write (`check_run_dir`). Inside it, the job m
 `own_dir` and its files with `write_own` and reads them with `read_own`: a symlink, another user's
 entry or a folder others may write is refused (`Untrusted`), never followed.
 
-Torch-free.
+The directories above it are held as OpenSSH's StrictModes holds a home (`check_parents`, part of both
+checks): every one, from the run dir's parent up to `/`, along the path as resolved and as written, must
+be owned by root or the user and writable by no one else unless sticky (/tmp is 1777). Not only up to the
+first one that is the user's: whoever may change any directory above can rename the chain below it and put
+a link of theirs where the run dir was (a group-writable project dir is such a place: use a dir of your own
+under a root-owned or sticky one).
+
 """
 
 from __future__ import annotations
@@ -27,6 +33,9 @@ from gpujobs.base.permissions import open_to_others
 
 #: What a trusted directory is, as the errors say it.
 ALLOWED = "a directory of this user's that no one else may write, unless sticky (chmod go-w, or chmod +t like /tmp)"
+#: What the directories above a trusted one must be, as the errors say it.
+PARENTS_ALLOWED = ("a directory under directories that only root or this user may change, up to / (as OpenSSH's "
+                   "StrictModes holds a home)")
 
 
 class Untrusted(GpujobsError, PermissionError):
@@ -54,18 +63,49 @@ def _problem(info: os.stat_result) -> Optional[str]:
 
 
 def check_dir(key: str, path: Path) -> None:
-    """Refuse (ConfigError on `key`) a directory that is not trusted; the path itself may be a symlink
-    (to a directory of the user's), which is resolved now. An absent path, or one where no directory can be
-    (a file), passes: it is made later, or found unmakeable there."""
+    """Refuse (ConfigError on `key`) a directory that is not trusted, or one under a directory that someone
+    else may change (`check_parents`); the path itself may be a symlink (to a directory of the user's), which
+    is resolved now. An absent path passes when its parents do (it is made later), and so does one where no
+    directory can be (a file: it is found unmakeable there)."""
     try:
         info = os.stat(path)
     except FileNotFoundError:
+        check_parents(key, path)
         return
     if not stat.S_ISDIR(info.st_mode):  # no directory can be made there: where it is made says so, in its words
         return
     found = _problem(info)
     if found is not None:
         raise ConfigError(key, str(path), f"{ALLOWED}; it is {found}")
+    check_parents(key, path)
+
+
+def check_parents(key: str, path: Path) -> None:
+    """Refuse (ConfigError on `key`) `path` when a directory above it, up to `/`, is owned by someone but root
+    and the user, or open to others (`open_to_others`): its owner, or anyone who may write it, can rename what
+    lies below and leave a link of theirs in the run dir's place. Both the path resolved and the path as written
+    (made absolute) are walked: a link on the way is as safe as the directory that holds it. Directories
+    not made yet pass (the user makes them)."""
+    me = os.geteuid()
+    seen: set[Path] = set()
+    for start in (Path(path).resolve(), Path(os.path.abspath(path))):
+        for parent in start.parents:
+            if parent in seen:
+                continue
+            seen.add(parent)
+            try:
+                info = os.stat(parent)
+            except OSError:  # not made yet, or not searchable: making or opening the run dir there says so
+                continue
+            mode = stat.S_IMODE(info.st_mode)
+            if info.st_uid not in (0, me):
+                found = f"owned by {_user(info.st_uid)}, mode {mode:04o}"
+            elif open_to_others(info.st_mode):
+                found = f"writable by others, mode {mode:04o}"
+            else:
+                continue
+            raise ConfigError(key, str(path), f"{PARENTS_ALLOWED}; {parent} above it is {found}, and could have the "
+                                              "run dir swapped for a link")
 
 
 def check_run_dir(path: Path) -> None:
