@@ -1,7 +1,9 @@
-"""The run dir's remaining holes (issue 36): the directories above it.
+"""The run dir's remaining holes (issue 36): the directories above it, a directory of other files taken for
+one, and a copy that shares its files with the original through hard links.
 
-Each fault is real: a parent directory chowned to user 65534 (`nobody`, as root). Each test checks that
-nothing outside the run dir changed, and the refusal is one line, exit 2.
+Each fault is real: a parent directory chowned to user 65534 (`nobody`, as root), a user's results in the
+directory named as the run dir, a run dir copied with `cp -al`. Each test checks that nothing outside the
+run dir changed, and the refusal is one line, exit 2.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from test_trust import NOBODY, snapshot
 
 from gpujobs.attempt.slurm_task import parse_args, run_dir_of
 from gpujobs.base.errors import ConfigError
-from gpujobs.rundir.trust import Untrusted, check_dir, check_run_dir
+from gpujobs.rundir.trust import Untrusted, check_dir, check_run_dir, check_run_dir_files
 
 TINY = ("+experiment=rec", "+debug=tiny", "cluster=debug")
 
@@ -97,3 +99,44 @@ def test_the_ordinary_places_pass(tmp_path: Path) -> None:
     for run_dir in (tmp_path / "run", sticky / "run", tmp_path / "link" / "run", Path("/tmp") / "gpujobs-not-made",
                     REPO / "outputs" / "rec" / "not-made", Path.home() / "not-made"):
         check_dir("hydra.run.dir", run_dir)
+
+
+def test_a_directory_of_other_files_is_refused_and_left_as_it_is(tmp_path: Path) -> None:
+    """A run dir pointed at an existing directory of the user's work was written among it (config.yaml,
+    checkpoints/, and a completed run's result.json over its own)."""
+    work = tmp_path / "work"
+    (work / "results").mkdir(parents=True)
+    (work / "results" / "model.pt").write_bytes(b"weights")
+    before = snapshot(tmp_path)
+    line = refused(submit(work, *TINY, "trainer.max_steps=1", timeout=120))
+    assert line == (f"gpujobs: config error: hydra.run.dir='{work}' is invalid: allowed a new or empty directory, or "
+                    "a run dir (one holding config.yaml, checkpoints/, attempts.jsonl, ...); it holds results and none "
+                    "of a run dir's files: it is left as it is"), line
+    assert snapshot(tmp_path) == before
+
+
+def test_an_empty_directory_and_a_run_dir_are_taken(tmp_path: Path) -> None:
+    empty, run, submitted = tmp_path / "empty", tmp_path / "run", tmp_path / "submitted"
+    for path in (empty, run, submitted / "logs"):
+        path.mkdir(parents=True)
+    (run / "config.yaml").write_text("name: rec\n")
+    (run / "notes.txt").write_text("mine\n")  # a user's note beside a run's files: still the run dir
+    for path in (empty, run, tmp_path / "absent"):
+        check_run_dir_files("hydra.run.dir", path)
+    check_run_dir_files("hydra.run.dir", submitted, folder="logs")  # a submission that sbatch refused left it
+
+
+def test_a_run_dir_copied_with_hard_links_is_refused_and_the_original_unchanged(tmp_path: Path) -> None:
+    """`cp -al RUN COPY` then resuming COPY appended COPY's attempt and metrics to RUN's ledger (one file,
+    two names)."""
+    original, copy = tmp_path / "run", tmp_path / "copy"
+    proc = submit(original, *TINY, "trainer.max_steps=2", timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    subprocess.run(["cp", "-al", str(original), str(copy)], check=True)
+    before = snapshot(original)
+    line = refused(submit(copy, *TINY, "trainer.max_steps=4", timeout=120))
+    assert line.startswith(f"gpujobs: config error: hydra.run.dir='{copy}' is invalid: allowed a run dir whose "
+                           f"files each have one name; {copy}/"), line
+    assert "has 2 (a hard link, as cp -al makes: the job would write the other names' file too; copy a run dir " \
+           "with cp -a)" in line, line
+    assert snapshot(original) == before
