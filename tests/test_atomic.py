@@ -68,3 +68,19 @@ def test_a_link_planted_in_place_of_a_jsonl_file_is_refused_and_its_target_untou
         with pytest.raises(GpujobsError, match=f"^{run_dir / name} {refused}"):
             append(run_dir / name)
         assert elsewhere.read_text() == "theirs\n" and (run_dir / name).is_symlink()
+
+
+def test_a_hard_linked_jsonl_file_is_refused_and_the_other_name_untouched(tmp_path: Path) -> None:
+    """Issue 36: an append opened a file with another name (`cp -al RUN COPY`) and wrote into RUN's ledger
+    too; `write_own` already refused such a file."""
+    original, copy = tmp_path / "run", tmp_path / "copy"
+    original.mkdir()
+    copy.mkdir()
+    for name, append in [("metrics.jsonl", lambda path: MetricsLog(path).write(CheckpointRecord(1, 0.1))),
+                         ("attempts.jsonl", lambda path: append_jsonl(path, {"attempt": 2}, durable=True)),
+                         ("slurm_jobs.jsonl", lambda path: record_submission(copy, "42", tmp_path / "logs"))]:
+        (original / name).write_text('{"attempt": 1}\n')
+        os.link(original / name, copy / name)
+        with pytest.raises(GpujobsError, match=f"^{copy / name} cannot be written: it is a hard link \\(2 names"):
+            append(copy / name)
+        assert (original / name).read_text() == '{"attempt": 1}\n'

@@ -11,6 +11,7 @@ import json
 import os
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -248,6 +249,31 @@ def test_the_cli_refuses_in_one_line_exit_2_and_leaves_no_run_dir(
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and f" {key}=" in lines[0] and "Traceback" not in proc.stderr, proc.stderr
     assert not run_dir.exists() and "srun" not in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("where", "overrides", "key"),
+    [
+        ("run:1", (), "hydra.run.dir"),
+        ("run,1", (), "hydra.run.dir"),
+        ("run", ("data=criteo", "data.store=/stores/criteo:v1"), "data.store"),
+        ("run", ("data=criteo", "data.store='/stores/criteo,v1'"), "data.store"),
+    ],
+)
+def test_a_mounted_path_with_a_colon_or_comma_is_refused_as_mounts_are(
+    tmp_path: Path, where: str, overrides: tuple[str, ...], key: str
+) -> None:
+    """Issue 36: the run dir and the data store are mounted at their own paths (`HOST:HOST`, in a list split
+    at ','), but only `container.mounts` was held to that; a run dir `a:b` went on to the runtime's parser."""
+    run_dir = tmp_path / where
+    proc = subprocess.run([sys.executable, "-m", "gpujobs.submit", f"hydra.run.dir='{run_dir}'", "+experiment=rec",
+                           "cluster=local", "container=podman", "container.image=debian:12", *overrides],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith(f"gpujobs: config error: {key}=") and "allowed a path without ':' or ',' with " \
+        "container=podman (it is mounted into the container at its own path" in line, line
+    assert not run_dir.exists() and proc.stdout == ""
 
 
 @pytest.mark.slurm

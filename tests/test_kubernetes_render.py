@@ -255,6 +255,28 @@ def test_a_bad_value_is_refused_in_one_line_and_nothing_is_written(tmp_path: Pat
             in line, line
 
 
+@pytest.mark.parametrize(
+    ("override", "line"),
+    [
+        ("cluster.tolerations=[a,b]", "cluster.tolerations=['a', 'b'] is invalid: allowed a list of mappings of names "
+                                      "to strings (cluster.tolerations[0] is 'a')"),
+        ("cluster.node_selector=[a]", "cluster.node_selector=['a'] is invalid: allowed a mapping of names to strings, "
+                                      "or null (it is a list)"),
+        ("cluster.tolerations=[{key: [a]}]", "cluster.tolerations=[{'key': ['a']}] is invalid: allowed a list of "
+                                             "mappings of names to strings (cluster.tolerations[0].key is a list)"),
+    ],
+)
+def test_a_wrong_shape_under_cluster_names_its_key_and_value(tmp_path: Path, override: str, line: str) -> None:
+    """Issue 36: a list where a mapping is due (or a string in a list of them) was reported as OmegaConf's
+    merge found it, `cluster.0=None is invalid: allowed a value of type ?`, or the whole cluster section."""
+    run_dir = tmp_path / "runs" / "rec"
+    run_dir.parent.mkdir()
+    proc = submit(run_dir, *KUBE, f"cluster.volume.mount_path={tmp_path / 'runs'}", override)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+    assert proc.stderr.strip().splitlines() == [f"gpujobs: config error: {line}"]
+    assert not run_dir.exists()
+
+
 def test_a_run_dir_off_the_volume_is_refused(tmp_path: Path) -> None:
     run_dir = tmp_path / "elsewhere" / "rec"
     run_dir.parent.mkdir()

@@ -2,8 +2,9 @@
 
 JSON-lines files are read back whole lines only: a last line cut short by a crash is skipped, and so is
 a line holding a number JSON cannot hold (1e999, NaN, Infinity). They are read and written as regular
-files only: a symbolic link in a file's place is not followed (its target is never read or written), and
-a FIFO or a device there is a GpujobsError naming the file, never a reader or writer blocked on it.
+files only: a symbolic link in a file's place is not followed (its target is never read or written), a
+FIFO or a device there is a GpujobsError naming the file, never a reader or writer blocked on it, and a
+file with more than one name (a hard link) is never appended to.
 """
 
 from __future__ import annotations
@@ -131,10 +132,14 @@ def _open_jsonl(path: Path, flags: int, doing: str) -> int:
         if not stat.S_ISREG(mode):
             raise _no_regular_file(path, mode, doing) from None
         raise GpujobsError(f"{path} cannot be {doing}: {err.strerror}") from None
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
         os.close(fd)
-        raise _no_regular_file(path, mode, doing)
+        raise _no_regular_file(path, info.st_mode, doing)
+    if flags & (os.O_WRONLY | os.O_RDWR) and info.st_nlink > 1:
+        os.close(fd)  # an append would land in every name's file: a run dir copied with `cp -al` shares its ledger
+        raise GpujobsError(f"{path} cannot be {doing}: it is a hard link ({info.st_nlink} names, as `cp -al` "
+                           "makes), and an append would change the other names' file too")
     return fd
 
 
@@ -223,7 +228,8 @@ class JsonlAppender:
     line stays alone, skipped by readers, instead of swallowing the next record. From then on an append is
     one `write` on an `O_APPEND` descriptor; one that failed part way (a full disk) is finished by the next
     append, which writes the rest first. A link in the file's place is refused (its target is never
-    written), as is anything but a regular file.
+    written), as is anything but a regular file and a file with another name (a hard link: `cp -al` of a
+    run dir shares its ledger with the original's, which `write_own` refuses too).
     """
 
     def __init__(self, path: Path) -> None:

@@ -21,8 +21,9 @@ from gpujobs.config.modes import Runtime
 from gpujobs.config.validate import Checked, check_slurm_path
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-MOUNT_TEXT = ("HOST:CONTAINER or HOST:CONTAINER:ro, CONTAINER an absolute path, neither holding ',' "
-              "(the runtimes split a mount list at ',' and a mount at ':')")
+#: Why no path that is mounted holds ',' or ':'.
+_SPLIT = "the runtimes split a mount list at ',' and a mount at ':'"
+MOUNT_TEXT = f"HOST:CONTAINER or HOST:CONTAINER:ro, CONTAINER an absolute path, neither holding ',' ({_SPLIT})"
 #: Where each runtime's image may be a name (a registry reference, an image in the runtime's storage), not a
 #: file: such an image is not checked here. Anything else names a file or directory the nodes read.
 _URI = re.compile(r"[a-z][a-z0-9+.-]*://")
@@ -132,6 +133,15 @@ class ContainerConfig(Checked):
     def parsed_mounts(self) -> list[Mount]:
         """`mounts` as Mount objects (already checked)."""
         return [parse_mount(f"container.mounts[{i}]", text) for i, text in enumerate(self.mounts)]
+
+    def check_mounted_path(self, key: str, path: object) -> None:
+        """Refuse (ConfigError on `key`, a full key) a path that the ranks' container mounts at its own path (the
+        run or sweep dir, the data store, the submit directory) when it holds ':' or ',', as `mounts` are
+        refused; with container=none nothing is mounted, and any path passes."""
+        text = str(path)
+        if self.runtime != Runtime.none and (":" in text or "," in text):
+            raise ConfigError(key, text, f"a path without ':' or ',' with container={self.runtime} (it is mounted "
+                                         f"into the container at its own path, and {_SPLIT})")
 
     def gpus_on(self, gpus_per_node: int) -> bool:
         """Whether the ranks see the node's GPUs: `gpus`, or, where null, whether the job has any."""

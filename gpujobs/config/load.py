@@ -14,7 +14,7 @@ import importlib
 import re
 import typing
 from collections.abc import Collection
-from typing import Any
+from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import (
@@ -158,6 +158,10 @@ def _merged_section(key: str, schema: type[Any], values: Any) -> Any:
         # OmegaConf takes any integer for a bool (3 -> true): a typo, or a count put in the wrong key
         if hint in (bool, typing.Optional[bool]) and type(value) is int and value not in (0, 1):
             raise ConfigError(f"{key}.{name}", value, "true or false (or 1/0)")
+        misfit = _shape_misfit(hint, value, f"{key}.{name}") if name in values else None
+        if misfit is not None:  # OmegaConf's error on it names no key ("0", or "") and no type ("?")
+            said = misfit.replace(f"{key}.{name} is", "it is", 1)
+            raise ConfigError(f"{key}.{name}", value, f"{_shape_text(hint)} ({said})")
         choices = _choices(hint)
         if choices is not None and value is not None:  # OmegaConf knows a member by its name, not its value
             values = {**values, name: choice(f"{key}.{name}", choices, value, hint is not choices)}
@@ -180,6 +184,55 @@ def _merged_section(key: str, schema: type[Any], values: Any) -> Any:
         raise ConfigError(f"{key}.{full_key}", value, f"a value of type {ftype}") from None
     except ConfigError as err:
         raise err.under(key) from None
+
+
+def _shape_misfit(hint: Any, value: Any, where: str) -> Optional[str]:
+    """Where `value` (at `where`) is a list or mapping that a field typed `hint` cannot hold, or a scalar where
+    it needs one of them: what stands where (None if the shapes fit; a scalar for a scalar is left to the merge,
+    which converts what it can and names the key of what it cannot)."""
+    inner = [arg for arg in typing.get_args(hint) if arg is not type(None)]
+    if typing.get_origin(hint) is typing.Union:
+        return None if value is None or len(inner) != 1 else _shape_misfit(inner[0], value, where)
+    origin = typing.get_origin(hint) or hint
+    if origin is list:
+        if not isinstance(value, list):
+            return f"{where} is {_kind(value)}"
+        return next((found for index, item in enumerate(value)
+                     if (found := _shape_misfit(inner[0], item, f"{where}[{index}]")) is not None), None)
+    if origin is dict or dataclasses.is_dataclass(origin):
+        if not isinstance(value, dict):
+            return f"{where} is {_kind(value)}"
+        if origin is not dict:
+            return None  # a section of its own: its fields are checked when it is built
+        return next((found for name, item in value.items()
+                     if (found := _shape_misfit(inner[1], item, f"{where}.{name}")) is not None), None)
+    if hint is not Any and isinstance(value, (list, dict)):
+        return f"{where} is {_kind(value)}"
+    return None
+
+
+def _kind(value: Any) -> str:
+    return ("a list" if isinstance(value, list) else "a mapping" if isinstance(value, dict)
+            else "null" if value is None else f"{value!r}")
+
+
+def _shape_text(hint: Any, plural: bool = False) -> str:
+    """What a field typed `hint` holds, in words: `list[dict[str, str]]` is "a list of mappings of names to
+    strings"."""
+    args = [arg for arg in typing.get_args(hint) if arg is not type(None)]
+    origin = typing.get_origin(hint) or hint
+    if origin is typing.Union:
+        return f"{_shape_text(args[0], plural)}, or null" if len(args) == 1 else f"a value of type {hint}"
+    if origin is list:
+        return f"{'lists' if plural else 'a list'} of {_shape_text(args[0], True)}"
+    if origin is dict:
+        return f"{'mappings' if plural else 'a mapping'} of names to {_shape_text(args[1], True)}"
+    if dataclasses.is_dataclass(origin):
+        keys = ", ".join(f.name for f in dataclasses.fields(origin))
+        return f"{'mappings' if plural else 'a mapping'} of {keys}"
+    words = {str: ("a string", "strings"), int: ("an integer", "integers"), float: ("a number", "numbers"),
+             bool: ("true or false", "true or false")}.get(origin, ("a value", "values"))
+    return words[plural]
 
 
 def _choices(hint: Any) -> Any:

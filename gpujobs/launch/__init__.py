@@ -34,17 +34,25 @@ def resolve_cluster(job: JobConfig) -> JobConfig:
 
 
 def check_paths(job: JobConfig, run_dir: Path, sweep_dir: Optional[Path] = None) -> None:
-    """Refuse run-dir paths that Slurm would misread (ConfigError naming the Hydra key), before any write.
+    """Refuse run-dir paths that Slurm or a container runtime would misread (ConfigError naming the Hydra key),
+    before any write.
 
     Control characters are refused for every cluster; `%` and `\\` where the job goes to Slurm, which
-    expands the one in its log paths and drops the other from `#SBATCH` lines. In a sweep, `run_dir` is
-    the point's dir under `sweep_dir`.
+    expands the one in its log paths and drops the other from `#SBATCH` lines; `:` and `,` in what a
+    container mounts at its own path (`ContainerConfig.check_mounted_path`). In a sweep, `run_dir` is the
+    point's dir under `sweep_dir`.
     """
     slurm = backend_for(job).parses_paths
+    run_key = "hydra.run.dir" if sweep_dir is None else "hydra.sweep.subdir"
     if sweep_dir is not None:
         check_slurm_path("hydra.sweep.dir", sweep_dir, slurm=slurm)
-    check_slurm_path("hydra.run.dir" if sweep_dir is None else "hydra.sweep.subdir", run_dir, slurm=slurm)
+    check_slurm_path(run_key, run_dir, slurm=slurm)
     check_slurm_path("cluster.folder", job.cluster.folder, slurm=slurm)
+    store = getattr(job.data, "store", None)  # a data config with a prepared store
+    mounted = [("hydra.runtime.cwd", Path.cwd()), *([("hydra.sweep.dir", sweep_dir)] if sweep_dir else []),
+               (run_key, run_dir), *([("data.store", store)] if store else [])]
+    for key, path in mounted:
+        job.container.check_mounted_path(key, path)
 
 
 def preflight(job: JobConfig, cache: Optional[dict[Any, Any]] = None) -> Optional[MemoryPlan]:
@@ -112,18 +120,21 @@ def check_start(job: JobConfig, run_dir: Path, key: str = "hydra.run.dir") -> No
     """Refuse, before anything is written, a start that `run_dir` must not take (every single run and
     every point of a sweep, local or Slurm, asks): a sweep dir, which holds points, not a run
     (ConfigError on `key`, the Hydra key that placed the run dir); a run dir that is not the user's alone
-    (ConfigError: `gpujobs.rundir.trust`); checkpoints of another run, or ones that `checkpoint.resume=false`
-    would prune (ResumeMismatch); another live job's lease (LeaseHeld). Each is one line naming the run dir."""
+    (ConfigError: `gpujobs.rundir.trust`), or under a directory someone else may change; a directory of other
+    files, or a run dir sharing a file with another (a hard link: ConfigError); checkpoints of another run, or
+    ones that `checkpoint.resume=false` would prune (ResumeMismatch); another live job's lease (LeaseHeld).
+    Each is one line naming the run dir."""
     from gpujobs.launch.sweep_file import SWEEP_FILE
     from gpujobs.rundir import lease
     from gpujobs.rundir.resume import check_run_dir
-    from gpujobs.rundir.trust import check_dir
+    from gpujobs.rundir.trust import check_dir, check_run_dir_files
 
     check_dir(key, run_dir)  # first: whoever else may write it could have planted what the checks below read
     check_dir("cluster.folder", run_dir / job.cluster.folder)  # submitit's pickles: in a sticky run dir, anyone's
     if (run_dir / SWEEP_FILE).exists():
         raise ConfigError(key, str(run_dir), f"a run dir, not a sweep dir (it holds {SWEEP_FILE}: a sweep dir "
                           "holds the points' run dirs, not a run)")
+    check_run_dir_files(key, run_dir, job.cluster.folder)  # a user's other work, a cp -al copy: never written
     check_run_dir(job, run_dir)  # a run dir with checkpoints resumes only the same run
     lease.check_free(run_dir)  # a sweep point's too: refused here, not after the points before it ran
 

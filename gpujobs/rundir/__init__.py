@@ -54,8 +54,16 @@ HEARTBEAT_DIR = "heartbeat"
 HANGS_DIR = "hangs"
 FAILURES_DIR = "failures"
 
+#: The entries above, those a run dir holds at its top: a directory with none of them (nor the submitit
+#: folder, `cluster.folder`) is no run dir (`trust.check_run_dir_files`).
+RUN_DIR_NAMES = frozenset({
+    CONFIG_FILE, PLAN_FILE, CHECKPOINT_DIR, ATTEMPTS_FILE, RESULT_FILE, METRICS_FILE, GPU_FILE, SUBMISSIONS_FILE,
+    LEASE_FILE, SBATCH_FILE, PROMETHEUS_FILE, TRACKER_FILE, RERUNS_DIR, HEARTBEAT_DIR, HANGS_DIR, FAILURES_DIR,
+    NCCL_DIR,
+})
+
 __all__ = [
     "ATTEMPTS_FILE", "CHECKPOINT_DIR", "CONFIG_FILE", "FAILURES_DIR", "GPU_FILE", "HANGS_DIR", "HEARTBEAT_DIR",
     "LEASE_FILE", "MARKER", "METRICS_FILE", "NCCL_DIR", "PLAN_FILE", "PROMETHEUS_FILE", "RERUNS_DIR", "RESULT_FILE",
-    "SBATCH_FILE", "STEP_PREFIX", "SUBMISSIONS_FILE", "TRACKER_FILE", "read_jsonl",
+    "RUN_DIR_NAMES", "SBATCH_FILE", "STEP_PREFIX", "SUBMISSIONS_FILE", "TRACKER_FILE", "read_jsonl",
 ]

@@ -9,6 +9,19 @@ the pickles are read and the ranks write (`check_run_dir`). Inside it, the job m
 `own_dir` and its files with `write_own` and reads them with `read_own`: a symlink, another user's
 entry or a folder others may write is refused (`Untrusted`), never followed.
 
+The directories above it are held as OpenSSH's StrictModes holds a home (`check_parents`, part of both
+checks): every one, from the run dir's parent up to `/`, along the path as resolved and as written, must
+be owned by root or the user and writable by no one else unless sticky (/tmp is 1777). Not only up to the
+first one that is the user's: whoever may change any directory above can rename the chain below it and put
+a link of theirs where the run dir was (a group-writable project dir is such a place: use a dir of your own
+under a root-owned or sticky one).
+
+At submit a run dir must also be one (`check_run_dir_files`): an existing directory that holds entries but
+none of those a run dir's layout names (`RUN_DIR_NAMES`: config.yaml, lease.json, attempts.jsonl, checkpoints/,
+..., or the submitit folder) is the user's other work, never written among; and no file in it may have another
+name (a hard link: `cp -al RUN COPY` shares RUN's ledger with COPY, and resuming COPY would append to RUN's),
+which JSON-lines appends and `write_own` refuse on their own too.
+
 Torch-free.
 """
 
@@ -24,9 +37,13 @@ from typing import BinaryIO, Optional
 
 from gpujobs.base.errors import ConfigError, GpujobsError
 from gpujobs.base.permissions import open_to_others
+from gpujobs.rundir import CHECKPOINT_DIR, LEASE_FILE, RUN_DIR_NAMES
 
 #: What a trusted directory is, as the errors say it.
 ALLOWED = "a directory of this user's that no one else may write, unless sticky (chmod go-w, or chmod +t like /tmp)"
+#: What the directories above a trusted one must be, as the errors say it.
+PARENTS_ALLOWED = ("a directory under directories that only root or this user may change, up to / (as OpenSSH's "
+                   "StrictModes holds a home)")
 
 
 class Untrusted(GpujobsError, PermissionError):
@@ -54,18 +71,86 @@ def _problem(info: os.stat_result) -> Optional[str]:
 
 
 def check_dir(key: str, path: Path) -> None:
-    """Refuse (ConfigError on `key`) a directory that is not trusted; the path itself may be a symlink
-    (to a directory of the user's), which is resolved now. An absent path, or one where no directory can be
-    (a file), passes: it is made later, or found unmakeable there."""
+    """Refuse (ConfigError on `key`) a directory that is not trusted, or one under a directory that someone
+    else may change (`check_parents`); the path itself may be a symlink (to a directory of the user's), which
+    is resolved now. An absent path passes when its parents do (it is made later), and so does one where no
+    directory can be (a file: it is found unmakeable there)."""
     try:
         info = os.stat(path)
     except FileNotFoundError:
+        check_parents(key, path)
         return
     if not stat.S_ISDIR(info.st_mode):  # no directory can be made there: where it is made says so, in its words
         return
     found = _problem(info)
     if found is not None:
         raise ConfigError(key, str(path), f"{ALLOWED}; it is {found}")
+    check_parents(key, path)
+
+
+def check_parents(key: str, path: Path) -> None:
+    """Refuse (ConfigError on `key`) `path` when a directory above it, up to `/`, is owned by someone but root
+    and the user, or open to others (`open_to_others`): its owner, or anyone who may write it, can rename what
+    lies below and leave a link of theirs in the run dir's place. Both the path resolved and the path as written
+    (made absolute) are walked: a link on the way is as safe as the directory that holds it. Directories
+    not made yet pass (the user makes them)."""
+    me = os.geteuid()
+    seen: set[Path] = set()
+    for start in (Path(path).resolve(), Path(os.path.abspath(path))):
+        for parent in start.parents:
+            if parent in seen:
+                continue
+            seen.add(parent)
+            try:
+                info = os.stat(parent)
+            except OSError:  # not made yet, or not searchable: making or opening the run dir there says so
+                continue
+            mode = stat.S_IMODE(info.st_mode)
+            if info.st_uid not in (0, me):
+                found = f"owned by {_user(info.st_uid)}, mode {mode:04o}"
+            elif open_to_others(info.st_mode):
+                found = f"writable by others, mode {mode:04o}"
+            else:
+                continue
+            raise ConfigError(key, str(path), f"{PARENTS_ALLOWED}; {parent} above it is {found}, and could have the "
+                                              "run dir swapped for a link")
+
+
+def check_run_dir_files(key: str, path: Path, folder: str = "submitit") -> None:
+    """Submit side: refuse (ConfigError on `key`) a directory that holds entries but none that a run dir's
+    layout names (`RUN_DIR_NAMES`, or `folder`, the submitit folder): the user's other work, which the run would
+    write among; and a run dir with a file of more than one name (a hard link, as `cp -al` makes: the job would
+    append to the other name's ledger). checkpoints/ is not looked into: its files are only read, or replaced
+    by new ones, never written in place. An absent or empty directory passes."""
+    try:
+        names = os.listdir(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    if names and RUN_DIR_NAMES.isdisjoint(names) and folder not in names:
+        shown = ", ".join(sorted(names)[:3]) + (", ..." if len(names) > 3 else "")
+        raise ConfigError(key, str(path), f"a new or empty directory, or a run dir (one holding config.yaml, "
+                                          f"checkpoints/, attempts.jsonl, ...); it holds {shown} and none of a run "
+                                          "dir's files: it is left as it is")
+    linked = _a_linked_file(Path(path))
+    if linked is not None:
+        raise ConfigError(key, str(path), f"a run dir whose files each have one name; {linked} has "
+                                          f"{os.lstat(linked).st_nlink} (a hard link, as cp -al makes: the job "
+                                          "would write the other names' file too; copy a run dir with cp -a)")
+
+
+def _a_linked_file(top: Path) -> Optional[Path]:
+    """A regular file under `top` with more than one name, or None. Not looked at: checkpoints/, and the lease
+    and its temp files (a taker links its lease into place, so it has two names for a moment; the lease is
+    replaced, never written in place, and its spare is opened by `open_own`, which refuses a link itself)."""
+    for folder, dirs, files in os.walk(top):
+        if Path(folder) == top:
+            dirs[:] = [name for name in dirs if name != CHECKPOINT_DIR]
+            files = [name for name in files if name != LEASE_FILE and not name.startswith(f".{LEASE_FILE}.")]
+        for name in files:
+            info = os.lstat(os.path.join(folder, name))
+            if stat.S_ISREG(info.st_mode) and info.st_nlink > 1:
+                return Path(folder, name)
+    return None
 
 
 def check_run_dir(path: Path) -> None:
