@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import compose_job, submit
+from conftest import compose_job, missing, submit
 from data_toy_parser import ToyParser, write_toy_file
 from rec_store import prepare as prepare_criteo
 from rec_store import write_days
@@ -33,6 +33,8 @@ from gpujobs.data.prepare import BadLineError, ParsedChunk, prepare_store
 from gpujobs.data.reader import SampleStore
 
 HASH_BUCKETS = 1000
+#: Another user: `nobody`.
+NOBODY = 65534
 
 
 def snapshot(folder: Path) -> dict[str, tuple[int, int, bytes]]:
@@ -151,6 +153,18 @@ def test_a_store_others_may_write_is_refused(tmp_path: Path, splits: dict[str, t
     os.chmod(StoreLayout(store).shards, mode)
     assert f"shards is writable by others: mode {mode:04o}" in refusal(store, splits)
     with pytest.raises(StoreError, match="shards is writable by others"):
+        check_store(store, PARSER.name, PARSER.settings())
+
+
+def test_another_users_store_is_refused(tmp_path: Path, splits: dict[str, tuple[Path, ...]]) -> None:
+    """Defect: a store of another user's (who may plant anything in it) was prepared into and opened."""
+    if os.geteuid() != 0:
+        missing("root: the store is chowned to another user")
+    store = tmp_path / "store"
+    prepare_store(plan_of(store, splits), log=lambda line: None)
+    os.chown(store, NOBODY, NOBODY)
+    assert re.search(rf"': is owned by .*uid {NOBODY}\)?, not by ", refusal(store, splits))
+    with pytest.raises(StoreError, match=rf"': is owned by .*uid {NOBODY}"):
         check_store(store, PARSER.name, PARSER.settings())
 
 
@@ -343,13 +357,18 @@ def test_a_zero_byte_gzip_is_refused_by_gpujobs_prepare(tmp_path: Path) -> None:
     days = write_days(tmp_path / "logs", "day", days=2, rows=50)
     days[1].write_bytes(b"")
     held_out = write_days(tmp_path / "logs", "eval", days=1, rows=20, seed=1)
-    proc = subprocess.run([sys.executable, "-m", "gpujobs.prepare", *rec(tmp_path / "store"),
-                           f"data.train_files=[{days[0]},{days[1]}]", f"data.eval_files=[{held_out[0]}]"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=120, env=driver_env())
+    command = [sys.executable, "-m", "gpujobs.prepare", *rec(tmp_path / "store"),
+               f"data.train_files=[{days[0]},{days[1]}]", f"data.eval_files=[{held_out[0]}]"]
+    proc = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=120, env=driver_env())
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stderr.strip().splitlines() == [f"gpujobs: {days[1]}: no rows (an empty file, or a compressed one "
                                                 "holding nothing): not prepared; remove it from the input files, or "
                                                 "prepare with data.bad_lines=skip to keep it empty"]
+    kept = subprocess.run([*command, "data.bad_lines=skip"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120, env=driver_env())
+    assert kept.returncode == 0, kept.stdout + kept.stderr
+    assert f"prepared shard train-00001: 0 rows from {days[1]} (warning: no rows, it is empty)" in kept.stdout
+    assert kept.stdout.strip().splitlines()[-1].endswith("0 bad lines skipped (warning: 1 shard with no rows)")
 
 
 # --- 4. what opening checks ------------------------------------------------------------------------------

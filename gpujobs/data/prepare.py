@@ -164,8 +164,6 @@ def prepare_lock(store: Path) -> Iterator[None]:
     """
     try:
         fd = open_store_file(store, StoreLayout(store).lock, os.O_RDWR | os.O_CREAT)
-    except StoreError:
-        raise
     except OSError as err:
         raise StoreError(store, f"cannot be written here ({err.strerror}): choose a writable directory") from None
     try:
