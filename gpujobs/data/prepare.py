@@ -34,6 +34,7 @@ from gpujobs.data.shard_writer import BadLineError as BadLineError  # where a jo
 from gpujobs.data.shard_writer import die_with_parent, published_shard, write_shard
 from gpujobs.data.store_files import (
     StoreError,
+    check_store_root,
     claim_store,
     make_store_dir,
     open_store_file,
@@ -128,6 +129,8 @@ def prepare_shard(plan: PreparePlan, split: str, index: int) -> ShardRecord:
     it is complete and its input unchanged (sizes and mtimes: `start_prepare` checked the sha256 of what it
     kept), else written anew and published. Idempotent."""
     layout = StoreLayout(plan.store)
+    check_store_root(plan.store)  # a task runs long after its plan: the folders are checked again
+    make_store_dir(plan.store, layout.shards)
     name = shard_name(split, index)
     source = plan.splits[split][index]
     existing = published_shard(layout, name, split, source, plan.parser.columns())
