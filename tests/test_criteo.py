@@ -339,10 +339,12 @@ def test_a_store_prepared_by_worker_processes_holds_read_criteo_tsv_values(tmp_p
     plain.write_bytes(b"".join(lines[:100]) + b"1\t2\n" + b"".join(lines[100:200]))
     packed.write_bytes(gzip.compress(b"".join(lines[200:])))
     empty.write_bytes(b"")
+    held_out = tmp_path / "eval.tsv.gz"  # the same rows as day_1 in another file: a file is named once
+    held_out.write_bytes(packed.read_bytes())
     whole = tmp_path / "all.tsv"
     whole.write_bytes(b"".join(lines))
     parser = CriteoParser(hash_buckets=500, block_bytes=4000)
-    plan = PreparePlan(tmp_path / "store", {"train": (plain, packed, empty), "eval": (packed,)}, parser, "skip")
+    plan = PreparePlan(tmp_path / "store", {"train": (plain, packed, empty), "eval": (held_out,)}, parser, "skip")
     manifest = prepare_store(plan, workers=2, log=lambda line: None)
     assert [(shard.rows, shard.bad_lines) for shard in manifest.shards] == [(200, 1), (100, 0), (0, 0), (100, 0)]
     store = SampleStore.open(tmp_path / "store", parser.name, parser.settings())

@@ -86,3 +86,21 @@ def test_an_index_outside_the_array_is_refused(tmp_path: Path) -> None:
     proc = task(store, 2)
     assert proc.returncode == 2 and "has tasks 0..1, not 2" in proc.stderr, proc.stderr
     assert PARSER.name == read_task_plan(store).plan.parser.name
+
+
+def test_a_task_writes_through_no_shards_link_planted_after_the_plan(tmp_path: Path) -> None:
+    """Issue 36: an array task keeps the store's rules (a `shards` link planted after the plan was written is
+    refused in one line, exit 2; nothing where it points changes)."""
+    splits = two_files(tmp_path)
+    store = tmp_path / "store"
+    queued(store, splits)
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "run1").mkdir(parents=True)
+    (elsewhere / "run1" / "model.pt").write_bytes(b"mine")
+    os.rmdir(StoreLayout(store).shards)
+    StoreLayout(store).shards.symlink_to(elsewhere)
+    proc = task(store, 0)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        f"gpujobs: data.store='{store}': shards is a symlink: not used (remove it, if it is no store's, and run "
+        "gpujobs prepare again)"], proc.stderr
+    assert sorted(p.name for p in elsewhere.rglob("*")) == ["model.pt", "run1"]

@@ -172,6 +172,7 @@ def test_a_four_billion_row_manifest_opens_and_serves_without_per_row_memory(tmp
             info = path.stat()
             files.append(ColumnFile(spec.name, info.st_size, info.st_mtime_ns, "0" * 64))
         shards.append(ShardRecord(name, "train", rows, SourceFile(f"/in/{index}", 1, 1), 0, tuple(files)))
+        write_json_atomic(layout.shard_record(name), shards[-1].to_json())
     write_json_atomic(layout.manifest, Manifest(FORMAT_VERSION, PARSER, SETTINGS, COLUMNS, tuple(shards)).to_json())
     tracemalloc.start()
     try:

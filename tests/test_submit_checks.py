@@ -132,7 +132,7 @@ def test_criteo_checks_what_config_tells_at_load_and_its_stores_rows_at_submit(t
     # loading reads no store: `gpujobs prepare` composes the same config before the store exists
     assert compose_job(*CRITEO, "data.batch_size=100000").data.batch_size == 100000
     local = (*CRITEO, "cluster=local", "resources.gpus_per_node=0", f"data.store={tmp_path / 'store'}",
-             "data.hash_buckets=16")
+             "data.hash_buckets=16", "data.train_files=[]", "data.eval_files=[]")  # as the store's arrays
     parser = compose_job(*local).data.parser()
     day = {"label": np.zeros(10, np.uint8), "dense": np.zeros((10, 13), np.float32),
            "sparse": np.ones((10, 26), np.int32)}

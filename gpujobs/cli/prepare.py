@@ -106,11 +106,14 @@ def count(number: int, noun: str) -> str:
 
 
 def summary(manifest: Manifest, seconds: float) -> str:
-    """The final line: each split's rows and shards, the bad lines skipped, the time taken."""
+    """The final line: each split's rows and shards, the bad lines skipped, the time taken, and a warning
+    counting the shards of no rows."""
     splits = [f"{split} {count(manifest.rows(split), 'row')} in "
               f"{count(sum(shard.split == split for shard in manifest.shards), 'shard')}" for split in SPLITS]
     bad = sum(shard.bad_lines for shard in manifest.shards)
-    return f"done in {seconds:.1f} s: {', '.join(splits)}, {count(bad, 'bad line')} skipped"
+    empty = sum(shard.rows == 0 for shard in manifest.shards)  # kept under bad_lines=skip, each said as it was made
+    warning = f" (warning: {count(empty, 'shard')} with no rows)" if empty else ""
+    return f"done in {seconds:.1f} s: {', '.join(splits)}, {count(bad, 'bad line')} skipped{warning}"
 
 
 def prepare(overrides: list[str]) -> int:

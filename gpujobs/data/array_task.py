@@ -23,8 +23,9 @@ from gpujobs.base.atomic import fsync_path
 from gpujobs.base.errors import GpujobsError
 from gpujobs.data.layout import StoreLayout, shard_name
 from gpujobs.data.manifest import Manifest, ShardRecord, StoreError
-from gpujobs.data.prepare import PreparePlan, available_cores, finish_prepare, prepare_shard
+from gpujobs.data.prepare import PreparePlan, available_cores, finish_prepare, prepare_shard, shard_line
 from gpujobs.data.shard_writer import published_shard
+from gpujobs.data.store_files import check_store_dir, open_store_file
 
 #: The store's folder of a prepare queued as a job array: its task plan and the tasks' logs.
 TASKS_DIR = ".prepare"
@@ -47,7 +48,9 @@ def tasks_dir(store: Path) -> Path:
 def write_task_plan(task_plan: TaskPlan) -> Path:
     """Keep `task_plan` in its store for the array's tasks (readable by its owner alone); its path."""
     folder = tasks_dir(task_plan.plan.store)
-    folder.mkdir(mode=0o700, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(folder, 0o700)
+    check_store_dir(task_plan.plan.store, folder)  # a link there is refused, not followed by the chmod
     os.chmod(folder, 0o700)
     path = folder / TASK_PLAN
     partial = folder / f".{TASK_PLAN}.{os.getpid()}"
@@ -66,7 +69,7 @@ def read_task_plan(store: Path) -> TaskPlan:
     could have written (a pickle runs code as it loads: only one's own is loaded)."""
     path = tasks_dir(store) / TASK_PLAN
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = open_store_file(store, path)  # no link followed, no FIFO waited on
     except OSError as err:
         raise StoreError(store, f"has no task plan of a queued prepare ({path}: {err.strerror})") from None
     with os.fdopen(fd, "rb") as source:
@@ -102,8 +105,7 @@ def run_task(store: Path, index: int) -> Optional[Manifest]:
         raise StoreError(store, f"its queued prepare has tasks 0..{len(task_plan.todo) - 1}, not {index}")
     split, number = task_plan.todo[index]
     record = prepare_shard(task_plan.plan.with_cores(available_cores()), split, number)  # the task's CPUs
-    print(f"gpujobs prepare: shard {record.name}: {record.rows} rows from {record.source.path}"
-          f"{f', {record.bad_lines} bad lines skipped' if record.bad_lines else ''}", flush=True)
+    print(f"gpujobs prepare: {shard_line(record)}", flush=True)
     records = complete_records(task_plan.plan)
     if records is None:
         return None

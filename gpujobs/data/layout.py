@@ -7,7 +7,11 @@ STORE/prepared_with.json                 the parser, settings and columns the sh
 STORE/shards/<split>-<NNNNN>/<col>.bin   raw little-endian fixed-width values, rows x width, C order
 STORE/shards/<split>-<NNNNN>/shard.json  the shard's record, written last inside its directory
 STORE/shards/.tmp-<split>-<NNNNN>-<pid>/ work in progress, renamed into place when complete
+STORE/.prepare/                          a prepare queued as a job array: its task plan and logs
 ```
+
+Prepare removes only entries of these names (`ours_in_store`, `ours_in_shards`, `ours_in_shard`): what
+it finds of any other name is no store's, and is refused, never removed.
 """
 
 from __future__ import annotations
@@ -22,6 +26,30 @@ SPLITS = ("train", "eval")
 COLUMN_NAME = re.compile(r"[a-z_][a-z0-9_]*")
 #: What a dead prepare's work in progress is called; the next prepare removes it under the lock.
 TEMP_PREFIX = ".tmp-"
+#: The names in shards/: a published shard, a prepare's work in progress, an outdated shard moved aside.
+_SHARD_NAME = rf"(?:{'|'.join(SPLITS)})-[0-9]{{5}}"
+_SHARDS_ENTRY = re.compile(rf"{_SHARD_NAME}|{re.escape(TEMP_PREFIX)}{_SHARD_NAME}-[0-9]+(?:-replaced)?")
+#: A file `gpujobs.base.atomic` writes before renaming it to its name.
+_ATOMIC_TEMP = r"\.[^/]+\.tmp-[0-9a-f]{16}"
+#: The names at the store's top: its records, the lock, shards/, a queued prepare's folder.
+_STORE_ENTRY = re.compile(rf"manifest\.json|prepared_with\.json|\.prepare\.lock|shards|\.prepare|{_ATOMIC_TEMP}")
+#: The names in a shard's directory: its column files, its record (and the record's temp file).
+_SHARD_ENTRY = re.compile(rf"[a-z_][a-z0-9_]*\.bin|shard\.json|{_ATOMIC_TEMP}")
+
+
+def ours_in_store(name: str) -> bool:
+    """Whether `name` at the top of a store is one a prepare writes."""
+    return bool(_STORE_ENTRY.fullmatch(name))
+
+
+def ours_in_shards(name: str) -> bool:
+    """Whether `name` in shards/ is one a prepare writes (a shard, or a temp dir of one)."""
+    return bool(_SHARDS_ENTRY.fullmatch(name))
+
+
+def ours_in_shard(name: str) -> bool:
+    """Whether `name` in a shard's directory is one a prepare writes."""
+    return bool(_SHARD_ENTRY.fullmatch(name))
 
 
 def shard_name(split: str, index: int) -> str:

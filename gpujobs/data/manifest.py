@@ -2,37 +2,31 @@
 refuse a store training must not use.
 
 The manifest is written last by a prepare: a store without one is unfinished. `check_store` is what
-submit and training call; it costs O(shards) file stats, never O(rows).
+submit and training call; it costs O(shards) small reads and stats, never O(rows), unless asked to verify
+every column's sha256 (`data.verify`: O(bytes)). Every file is read as `store_files` allows (no link
+followed, no FIFO read).
 """
 
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from gpujobs.base.errors import ConfigError
 from gpujobs.data.layout import COLUMN_NAME, SPLITS, StoreLayout, column_file_name
+from gpujobs.data.store_files import (
+    StoreError,
+    check_store_dir,
+    check_store_file,
+    check_store_root,
+    file_sha256,
+    read_store_json,
+)
 
 FORMAT_VERSION = 1
-#: The config key every store refusal names.
-STORE_KEY = "data.store"
-
-
-class StoreError(ConfigError):
-    """The store at `data.store` cannot be used (or prepared); one line naming data.store and what is wrong."""
-
-    def __init__(self, store: Path | str, what: str) -> None:
-        super().__init__(STORE_KEY, str(store), what)
-        self.args = (f"{STORE_KEY}={str(store)!r}: {what}",)
-
-    def __reduce__(self) -> tuple[type[StoreError], tuple[object, ...]]:
-        # rebuilt from (store, what), not from its message: it crosses from a prepare's worker processes
-        return (type(self), (str(self.value), self.allowed))
 
 
 @dataclass(frozen=True)
@@ -141,20 +135,18 @@ NOT_PREPARED = "not prepared, or its prepare did not finish: run gpujobs prepare
 def read_manifest(store: Path) -> Manifest:
     """The manifest of the finished store at `store`, or a StoreError naming data.store and what is wrong."""
     layout = StoreLayout(store)
+    check_store_root(store)
     if not store.is_dir():
-        what = "is not a directory" if store.exists() else "no such directory"
-        raise StoreError(store, f"{what}: run gpujobs prepare with the same config")
+        raise StoreError(store, "no such directory: run gpujobs prepare with the same config")
     try:
-        text = layout.manifest.read_text()
+        payload = read_store_json(store, layout.manifest)
     except FileNotFoundError:
         raise StoreError(store, NOT_PREPARED) from None
     except OSError as err:
         raise StoreError(store, f"its manifest.json cannot be read: {err.strerror}") from None
-    try:
-        payload = json.loads(text)
-        version = payload["format_version"]
-    except (ValueError, TypeError, KeyError):
-        raise StoreError(store, "its manifest.json is damaged: prepare it again") from None
+    if not isinstance(payload, dict) or "format_version" not in payload:
+        raise StoreError(store, "its manifest.json is damaged: prepare it again")
+    version = payload["format_version"]
     if version != FORMAT_VERSION:
         raise StoreError(store, f"it has store format version {version!r}, this gpujobs reads version "
                                 f"{FORMAT_VERSION}: prepare it again")
@@ -183,11 +175,13 @@ def settings_difference(prepared: dict[str, Any], wanted: dict[str, Any]) -> str
     return f"prepared with {show(prepared)}, this job has {show(wanted)}"
 
 
-def check_store(store: Path, parser: str, settings: dict[str, Any]) -> Manifest:
+def check_store(store: Path, parser: str, settings: dict[str, Any], verify: bool = False) -> Manifest:
     """The manifest of `store` when training may use it with `parser` and `settings`; else a StoreError.
 
-    Refused: a missing or unfinished store, another format version, another parser, other settings, and
-    a column file whose size or mtime is not what prepare recorded (changed after prepare).
+    Refused: a missing or unfinished store, another format version, another parser, other settings, a folder
+    or file that is not trusted (`store_files`), a shard whose shard.json is not the manifest's record of it
+    (split, rows, columns, source), and a column file whose size or mtime is not what prepare recorded. With
+    `verify`, also a column file whose sha256 is not (a change that kept its size and mtime): O(bytes).
     """
     manifest = read_manifest(store)
     if manifest.parser != parser:
@@ -197,26 +191,75 @@ def check_store(store: Path, parser: str, settings: dict[str, Any]) -> Manifest:
     if difference:
         raise StoreError(store, f"{difference}: prepare it again with this config, or point data.store elsewhere")
     layout = StoreLayout(store)
+    check_store_dir(store, layout.shards)
     specs = {spec.name: spec for spec in manifest.columns}
     for shard in manifest.shards:
         if sorted(column.name for column in shard.columns) != sorted(specs):
             raise StoreError(store, f"its manifest.json is damaged (shard {shard.name} does not hold the columns "
                                     f"{', '.join(specs)}): prepare it again")
         for column in shard.columns:
-            _check_column_file(store, layout.shard_dir(shard.name), shard, column, specs.get(column.name))
+            _check_column_file(store, layout.shard_dir(shard.name), shard, column, specs.get(column.name), verify)
+        _check_shard_record(store, layout, shard)
     return manifest
 
 
+def _check_shard_record(store: Path, layout: StoreLayout, shard: ShardRecord) -> None:
+    """Refuse a shard whose directory is not trusted, or whose shard.json is missing, damaged or not the
+    manifest's record of it."""
+    if not check_store_dir(store, layout.shard_dir(shard.name)):
+        raise StoreError(store, f"shard {shard.name} is missing: prepare it again")
+    try:
+        found = shard_record_in(store, layout.shard_record(shard.name))
+    except FileNotFoundError:
+        raise StoreError(store, f"shard {shard.name}'s shard.json is missing: prepare it again") from None
+    if found != shard:
+        raise StoreError(store, f"shard {shard.name}'s shard.json is not the manifest's record of it (split, "
+                                f"rows, columns or source): prepare it again")
+
+
+def shard_record_in(store: Path, path: Path) -> ShardRecord | None:
+    """The shard record in the shard.json `path` of `store`, None when it holds none (damaged); StoreError
+    when it is not a trusted file (a link, a FIFO), FileNotFoundError when absent."""
+    payload = read_store_json(store, path)
+    try:
+        return ShardRecord.from_json(payload) if isinstance(payload, dict) else None
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return None
+
+
 def _check_column_file(store: Path, directory: Path, shard: ShardRecord, column: ColumnFile,
-                       spec: ColumnSpec | None) -> None:
-    """Refuse a column file that is missing, or not as prepare recorded it (size, mtime, rows x width)."""
+                       spec: ColumnSpec | None, verify: bool) -> None:
+    """Refuse a column file that is missing, or not as prepare recorded it (size, mtime, rows x width; with
+    `verify`, sha256)."""
     where = f"shard {shard.name}'s {column_file_name(column.name)}"
     if spec is None or column.size != shard.rows * spec.row_bytes():  # the reader's row offsets rely on it
         raise StoreError(store, f"its manifest.json is damaged ({where} does not hold {shard.rows} rows of "
                                 f"the manifest's columns): prepare it again")
+    path = directory / column_file_name(column.name)
     try:
-        info = os.stat(directory / column_file_name(column.name))
+        info = check_store_file(store, path)
     except FileNotFoundError:
         raise StoreError(store, f"{where} is missing: prepare it again") from None
     if info.st_size != column.size or info.st_mtime_ns != column.mtime_ns:
         raise StoreError(store, f"{where} changed after prepare: prepare it again")
+    if verify and file_sha256(store, path) != column.sha256:
+        raise StoreError(store, f"{where} changed after prepare (its sha256 is not the one recorded, though its "
+                                f"size and mtime are): prepare it again")
+
+
+def check_sources(store: Path, manifest: Manifest, split: str, key: str, files: tuple[Path, ...]) -> None:
+    """Refuse (StoreError) a store whose `split` was not prepared from `files` as they are now (the config's
+    `key`, globs expanded): its rows would not be the ones the config names."""
+    prepared = [shard.source for shard in manifest.split_shards(split)]
+    named = [SourceFile.of(path) for path in files]
+    if [source.path for source in prepared] != [source.path for source in named]:
+        missing = sorted({str(p) for p in files} - {s.path for s in prepared})
+        extra = sorted({s.path for s in prepared} - {str(p) for p in files})
+        what = (f"{key} names {missing[0]}, which it was not prepared from" if missing else
+                f"it was prepared from {extra[0]}, which {key} does not name" if extra else
+                f"its {split} files are not in the order of {key}")
+        raise StoreError(store, f"{what}: prepare it again from this config's files")
+    for before, now in zip(prepared, named, strict=True):
+        if before != now:
+            raise StoreError(store, f"{now.path} ({key}) changed after the store was prepared from it (size or "
+                                    f"mtime): prepare it again")

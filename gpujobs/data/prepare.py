@@ -29,17 +29,23 @@ import numpy as np
 from gpujobs.base.atomic import fsync_path, write_json_atomic
 from gpujobs.base.errors import ConfigError, GpujobsError
 from gpujobs.data.layout import SPLITS, TEMP_PREFIX, StoreLayout, shard_name
-from gpujobs.data.manifest import FORMAT_VERSION, ColumnSpec, Manifest, ShardRecord, StoreError
+from gpujobs.data.manifest import FORMAT_VERSION, ColumnSpec, Manifest, ShardRecord
+from gpujobs.data.shard_writer import BadLineError as BadLineError  # where a job's parser finds it
 from gpujobs.data.shard_writer import die_with_parent, published_shard, write_shard
+from gpujobs.data.store_files import (
+    StoreError,
+    check_store_root,
+    claim_store,
+    make_store_dir,
+    open_store_file,
+    read_store_json,
+    remove_store_dir,
+)
 
 #: What `data.bad_lines` may say: stop at the first damaged line, or skip and count damaged lines.
 BAD_LINES = ("fail", "skip")
 #: Errors of a write that found no room: the disk (or quota) is full, or the file size limit is reached.
 NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-
-
-class BadLineError(GpujobsError):
-    """A damaged input line under bad_lines=fail: "day_3.gz:1234: label '2' is not 0 or 1"."""
 
 
 @dataclass
@@ -120,8 +126,11 @@ def expand_inputs(key: str, patterns: Sequence[str]) -> tuple[Path, ...]:
 
 def prepare_shard(plan: PreparePlan, split: str, index: int) -> ShardRecord:
     """Shard `index` of `split` (what a worker process or a Slurm array task runs): the published one when
-    it is complete and its input unchanged, else written anew and published. Idempotent."""
+    it is complete and its input unchanged (sizes and mtimes: `start_prepare` checked the sha256 of what it
+    kept), else written anew and published. Idempotent."""
     layout = StoreLayout(plan.store)
+    check_store_root(plan.store)  # a task runs long after its plan: the folders are checked again
+    make_store_dir(plan.store, layout.shards)
     name = shard_name(split, index)
     source = plan.splits[split][index]
     existing = published_shard(layout, name, split, source, plan.parser.columns())
@@ -129,7 +138,7 @@ def prepare_shard(plan: PreparePlan, split: str, index: int) -> ShardRecord:
         return existing
     with no_room_is_a_store_error(plan.store, f"shard {name}"):
         return write_shard(layout, name, split, source, plan.parser.columns(),
-                           plan.parser.parse(source, plan.bad_lines))
+                           plan.parser.parse(source, plan.bad_lines), plan.bad_lines)
 
 
 @contextlib.contextmanager
@@ -153,10 +162,13 @@ def prepare_lock(store: Path) -> Iterator[None]:
     """Hold the store's prepare lock for the block; a StoreError naming the holder when another has it.
 
     flock: the kernel drops it when the holder dies, however it dies, so a killed prepare never blocks
-    the next one.
+    the next one. The lock file is opened as every store file is (`open_store_file`): a link planted in its
+    place is refused, its target never opened, let alone truncated.
     """
-    layout = StoreLayout(store)
-    fd = os.open(layout.lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fd = open_store_file(store, StoreLayout(store).lock, os.O_RDWR | os.O_CREAT)
+    except OSError as err:
+        raise StoreError(store, f"cannot be written here ({err.strerror}): choose a writable directory") from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -172,38 +184,41 @@ def prepare_lock(store: Path) -> Iterator[None]:
 
 
 def start_prepare(plan: PreparePlan, log: Callable[[str], None] = print) -> tuple[tuple[str, int], ...]:
-    """Under the lock: remove a dead prepare's leftovers, start over if the shards were prepared with
-    another parser or settings, and unpublish the manifest when any shard needs work. Returns the shards
-    that need work."""
+    """Under the lock: refuse a folder that is not a store of ours (`claim_store`), remove a dead prepare's
+    leftovers, start over if the shards were prepared with another parser or settings, remove each shard
+    that is not current (its input changed, or a column's sha256 is not the one recorded), and unpublish the
+    manifest when any shard needs work. Returns the shards that need work."""
     layout = StoreLayout(plan.store)
-    layout.shards.mkdir(parents=True, exist_ok=True)
+    claim_store(plan.store)
+    make_store_dir(plan.store, layout.shards)
     for leftover in sorted(layout.shards.glob(f"{TEMP_PREFIX}*")):
         log(f"data.store: removing {leftover.name}, left by a prepare that did not finish")
-        shutil.rmtree(leftover)
+        remove_store_dir(plan.store, leftover)
     record = layout.prepared_with
     wanted = plan.prepared_with()
-    stale = _read_prepared_with(record) != wanted and any(layout.shards.iterdir())
+    stale = _read_prepared_with(plan.store) != wanted and any(layout.shards.iterdir())
     todo = plan.shards() if stale else tuple(
         (split, index) for split, index in plan.shards()
         if published_shard(layout, shard_name(split, index), split, plan.splits[split][index],
-                           plan.parser.columns()) is None)
+                           plan.parser.columns(), verify=True) is None)
     if todo:
         layout.manifest.unlink(missing_ok=True)  # unfinished from now until every shard is there
         fsync_path(plan.store)
     if stale:
         log("data.store: its shards were prepared with another parser or settings: preparing every shard again")
-        for shard in sorted(layout.shards.iterdir()):
-            shutil.rmtree(shard)
+    outdated = sorted(layout.shards.iterdir()) if stale else [layout.shard_dir(shard_name(*shard)) for shard in todo]
+    for shard_dir in outdated:
+        remove_store_dir(plan.store, shard_dir)  # a stale shard: gone before its task runs, which writes it anew
     with no_room_is_a_store_error(plan.store, record.name):
         write_json_atomic(record, wanted)
     return todo
 
 
-def _read_prepared_with(path: Path) -> Any:
+def _read_prepared_with(store: Path) -> Any:
     """What the shards were prepared with, or None when unknown (no record, or a damaged one)."""
     try:
-        return json.loads(path.read_text())
-    except (FileNotFoundError, ValueError):
+        return read_store_json(store, StoreLayout(store).prepared_with)
+    except FileNotFoundError:
         return None
 
 
@@ -241,12 +256,19 @@ def available_cores() -> int:
 
 
 def make_store(store: Path) -> None:
-    """The store's directory and its lock file, made if missing; StoreError when they cannot be."""
+    """The store's directory, made if missing (0755) and claimed (`claim_store`: a folder that is no store of
+    ours is refused before anything is written in it); StoreError when it cannot be made."""
     try:
-        store.mkdir(parents=True, exist_ok=True)
-        os.close(os.open(StoreLayout(store).lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644))
+        try:
+            os.mkdir(store, 0o755)
+        except FileNotFoundError:  # its parents first (theirs is not the store's to trust)
+            store.parent.mkdir(parents=True, exist_ok=True)
+            os.mkdir(store, 0o755)
+    except FileExistsError:
+        pass
     except OSError as err:
         raise StoreError(store, f"cannot be written here ({err.strerror}): choose a writable directory") from None
+    claim_store(store)
 
 
 def check_plan(plan: PreparePlan, workers: int) -> None:
@@ -258,11 +280,35 @@ def check_plan(plan: PreparePlan, workers: int) -> None:
     unknown = sorted(set(plan.splits) - set(SPLITS))
     if unknown:
         raise ValueError(f"a store's splits are {', '.join(SPLITS)}, not {', '.join(unknown)}")
+    check_distinct(plan.splits)
+
+
+def check_distinct(splits: dict[str, tuple[Path, ...]]) -> None:
+    """Refuse (ConfigError naming the key) a file named twice, within a split or across them, by its path or
+    through a link (the same device and inode): its rows would be trained twice, or trained and evaluated."""
+    seen: dict[tuple[int, int], tuple[str, Path]] = {}
+    for split, paths in splits.items():
+        for path in paths:
+            info = os.stat(path)
+            first = seen.setdefault((info.st_dev, info.st_ino), (split, path))
+            if first != (split, path):
+                where = "among them" if first[0] == split else f"in data.{first[0]}_files"
+                raise ConfigError(f"data.{split}_files", str(path), f"files named once, in one split (it is "
+                                  f"{first[1]} {where}: the same file)")
+
+
+def shard_line(record: ShardRecord) -> str:
+    """What a prepare says of a shard it published; a warning when it holds no rows (bad_lines=skip)."""
+    skipped = f", {record.bad_lines} bad lines skipped" if record.bad_lines else ""
+    line = f"prepared shard {record.name}: {record.rows} rows from {record.source.path}{skipped}"
+    if record.rows == 0:
+        why = "every line of it was bad" if record.bad_lines else "it is empty"
+        line += f" (warning: no rows, {why})"
+    return line
 
 
 def _log_shard(record: ShardRecord, log: Callable[[str], None]) -> None:
-    skipped = f", {record.bad_lines} bad lines skipped" if record.bad_lines else ""
-    log(f"data.store: prepared shard {record.name}: {record.rows} rows from {record.source.path}{skipped}")
+    log(f"data.store: {shard_line(record)}")
 
 
 def _run_shards(plan: PreparePlan, todo: Sequence[tuple[str, int]], workers: int,

@@ -20,6 +20,7 @@ import numpy as np
 
 from gpujobs.data.layout import SPLITS, StoreLayout
 from gpujobs.data.manifest import ColumnSpec, Manifest, ShardRecord, check_store
+from gpujobs.data.store_files import open_store_file
 
 
 @dataclass(frozen=True)
@@ -51,9 +52,10 @@ class SampleStore:
         self._fds: dict[tuple[str, str], int] = {}
 
     @classmethod
-    def open(cls, store: Path, parser: str, settings: dict[str, Any]) -> SampleStore:
-        """The store at `store`, checked (`check_store`: a StoreError naming data.store when refused)."""
-        return cls(store, check_store(store, parser, settings))
+    def open(cls, store: Path, parser: str, settings: dict[str, Any], verify: bool = False) -> SampleStore:
+        """The store at `store`, checked (`check_store`, every column's sha256 too with `verify`: a StoreError
+        naming data.store when refused)."""
+        return cls(store, check_store(store, parser, settings, verify))
 
     def __getstate__(self) -> dict[str, Any]:
         # a copy sent to another process (a data loader's worker) opens the files again there, on first use
@@ -128,18 +130,18 @@ class SampleStore:
         """The descriptor of `spec`'s column file in `shard`, opened on first use, advised random reads."""
         key = (shard.name, spec.name)
         if key not in self._fds:
-            fd = os.open(self._layout.column_file(shard.name, spec.name), os.O_RDONLY | os.O_CLOEXEC)
+            fd = open_store_file(self.root, self._layout.column_file(shard.name, spec.name))
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
             self._fds[key] = fd
         return self._fds[key]
 
     def _read(self, shard: ShardRecord, spec: ColumnSpec, begin: int, into: np.ndarray) -> None:
         """Read `spec`'s rows of `shard` from row `begin` into `into` (contiguous), in sequential reads."""
-        with open(self._layout.column_file(shard.name, spec.name), "rb") as handle:
+        with os.fdopen(open_store_file(self.root, self._layout.column_file(shard.name, spec.name)), "rb") as handle:
             handle.seek(begin * spec.row_bytes())
             done = handle.readinto(into.data.cast("B"))
         if done != into.nbytes:
-            raise OSError(f"{handle.name} ended early: prepare the store again")
+            raise OSError(f"{self._layout.column_file(shard.name, spec.name)} ended early: prepare the store again")
 
 
 def _shape(spec: ColumnSpec, rows: int) -> tuple[int, ...]:

@@ -12,25 +12,38 @@ import contextlib
 import ctypes
 import errno
 import hashlib
-import json
 import os
-import shutil
 import signal
 import sys
-from collections.abc import Iterable
+import zlib
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO, Optional
+from typing import TYPE_CHECKING, BinaryIO, Optional
 
 import numpy as np
 
 from gpujobs.base.atomic import fsync_path, write_json_atomic
+from gpujobs.base.errors import GpujobsError
 from gpujobs.data.layout import SHARD_RECORD, StoreLayout, column_file_name
-from gpujobs.data.manifest import ColumnFile, ColumnSpec, ShardRecord, SourceFile
+from gpujobs.data.manifest import ColumnFile, ColumnSpec, ShardRecord, SourceFile, shard_record_in
+from gpujobs.data.store_files import (
+    StoreError,
+    check_store_dir,
+    check_store_file,
+    file_sha256,
+    make_store_dir,
+    remove_store_dir,
+)
 
 if TYPE_CHECKING:
     from gpujobs.data.prepare import ParsedChunk
 
 _PR_SET_PDEATHSIG = 1
+
+
+class BadLineError(GpujobsError):
+    """A damaged input line under bad_lines=fail: "day_3.gz:1234: label '2' is not 0 or 1"; or an input
+    file that cannot be read, or holds no rows."""
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -48,36 +61,36 @@ def die_with_parent(parent_pid: int) -> None:
 
 
 def published_shard(layout: StoreLayout, name: str, split: str, source: Path,
-                    columns: tuple[ColumnSpec, ...]) -> Optional[ShardRecord]:
+                    columns: tuple[ColumnSpec, ...], verify: bool = False) -> Optional[ShardRecord]:
     """The record of the published shard `name` when it is complete and of `source` as it is now; else None.
 
-    Costs a few stats, never a read of the rows: a column file is taken as prepare left it when its size
-    and mtime are those recorded (as `check_store` does).
+    Costs a few stats and the read of shard.json: a column file is taken as prepare left it when its size
+    and mtime are those recorded (as `check_store` does); with `verify`, only when its sha256 is too
+    (O(bytes): what a rerun of prepare asks). A file there that is not trusted (a link, a FIFO, another
+    user's) is a StoreError, never read nor replaced.
     """
+    store = layout.root
+    if not check_store_dir(store, layout.shard_dir(name)):
+        return None
     try:
-        record = ShardRecord.from_json(_read_json(layout.shard_record(name)))
-    except (OSError, ValueError, TypeError, KeyError):
+        record = shard_record_in(store, layout.shard_record(name))
+    except FileNotFoundError:
         return None
     specs = {spec.name: spec for spec in columns}
-    if (record.name, record.split) != (name, split) or record.source != SourceFile.of(source) \
+    if record is None or (record.name, record.split) != (name, split) or record.source != SourceFile.of(source) \
             or sorted(c.name for c in record.columns) != sorted(specs):
         return None
     for column in record.columns:
+        path = layout.column_file(name, column.name)
         try:
-            info = os.stat(layout.column_file(name, column.name))
-        except OSError:
+            info = check_store_file(store, path)
+        except FileNotFoundError:
             return None
         if (info.st_size, info.st_mtime_ns) != (column.size, column.mtime_ns) \
-                or column.size != record.rows * specs[column.name].row_bytes():
+                or column.size != record.rows * specs[column.name].row_bytes() \
+                or (verify and file_sha256(store, path) != column.sha256):
             return None
     return record
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    payload = json.loads(path.read_text())
-    if not isinstance(payload, dict):
-        raise ValueError(f"{path} holds no JSON object")
-    return payload
 
 
 class _ColumnWriter:
@@ -98,8 +111,8 @@ class _ColumnWriter:
         """Flush and fsync the file; its record (size and mtime as published: a rename keeps both)."""
         self.handle.flush()
         os.fsync(self.handle.fileno())
+        info = os.fstat(self.handle.fileno())
         self.handle.close()
-        info = os.stat(self.path)
         return ColumnFile(self.spec.name, info.st_size, info.st_mtime_ns, self.sha256.hexdigest())
 
 
@@ -121,42 +134,77 @@ def _chunk_rows(chunk: ParsedChunk, columns: tuple[ColumnSpec, ...], source: Pat
 
 
 def write_shard(layout: StoreLayout, name: str, split: str, source: Path, columns: tuple[ColumnSpec, ...],
-                chunks: Iterable[ParsedChunk]) -> ShardRecord:
+                chunks: Iterable[ParsedChunk], bad_lines: str) -> ShardRecord:
     """Write the rows of `chunks` (parsed from `source`) as shard `name` and publish it; its record.
 
     Any failure (a damaged line, a full disk, a kill) removes the temp directory, or leaves it to the next
-    prepare; nothing is published but a complete shard.
+    prepare; nothing is published but a complete shard. Not published either: the rows of a file that
+    changed while it was read (its size, mtime or inode after the read are not those before), and no rows
+    under `bad_lines="fail"` (an empty file, or a compressed one that holds nothing: BadLineError).
     """
-    as_prepared = SourceFile.of(source)  # before reading: a change while parsing is caught by the next prepare
+    before = os.stat(source)
     temp = layout.temp_dir(name, os.getpid())
-    shutil.rmtree(temp, ignore_errors=True)  # this pid's own leftover, should a pid come back
-    temp.mkdir(parents=True)
+    remove_store_dir(layout.root, temp)  # this pid's own leftover, should a pid come back
+    make_store_dir(layout.root, temp)
     try:
-        rows = bad_lines = 0
+        rows = skipped = 0
         with contextlib.ExitStack() as stack:
             paths = [temp / column_file_name(spec.name) for spec in columns]
-            writers = [_ColumnWriter(spec, path, stack.enter_context(open(path, "xb")))
+            writers = [_ColumnWriter(spec, path, stack.enter_context(open(path, "xb")))  # O_EXCL: no link followed
                        for spec, path in zip(columns, paths, strict=True)]
-            for chunk in chunks:
+            for chunk in _read_chunks(chunks, source):
                 rows += _chunk_rows(chunk, columns, source)
-                bad_lines += chunk.bad_lines
+                skipped += chunk.bad_lines
                 for writer in writers:
                     writer.write(chunk.columns[writer.spec.name])
             files = tuple(writer.finish() for writer in writers)
-        record = ShardRecord(name, split, rows, as_prepared, bad_lines, files)
+        _check_read_whole(layout, name, source, before, rows, skipped, bad_lines)
+        as_read = SourceFile(str(source), before.st_size, before.st_mtime_ns)
+        record = ShardRecord(name, split, rows, as_read, skipped, files)
         write_json_atomic(temp / SHARD_RECORD, record.to_json())
         _publish(layout, name, temp)
     except BaseException:
-        shutil.rmtree(temp, ignore_errors=True)
+        with contextlib.suppress(OSError, StoreError):
+            remove_store_dir(layout.root, temp)
         raise
     return record
 
 
+def _read_chunks(chunks: Iterable[ParsedChunk], source: Path) -> Iterator[ParsedChunk]:
+    """`chunks`, with a read error of the parser's (a truncated gzip: EOFError, zlib's, OSError) as one line
+    naming `source`."""
+    iterator = iter(chunks)
+    while True:
+        try:
+            chunk = next(iterator)
+        except StopIteration:
+            return
+        except (OSError, EOFError, zlib.error) as err:
+            raise BadLineError(f"{source}: the file cannot be read ({err}): not prepared") from None
+        yield chunk
+
+
+def _check_read_whole(layout: StoreLayout, name: str, source: Path, before: os.stat_result, rows: int,
+                      skipped: int, bad_lines: str) -> None:
+    """Refuse to publish shard `name` when `source` changed while it was read, or gave no rows under
+    `bad_lines="fail"` (a StoreError, a BadLineError)."""
+    after = os.stat(source)
+    if (after.st_dev, after.st_ino, after.st_size, after.st_mtime_ns) != \
+            (before.st_dev, before.st_ino, before.st_size, before.st_mtime_ns):
+        raise StoreError(layout.root, f"{source} changed while it was read (size {before.st_size} -> "
+                                      f"{after.st_size}, or its mtime): shard {name} not published; run gpujobs "
+                                      f"prepare again once the file is complete")
+    if rows == 0 and not skipped and bad_lines == "fail":
+        raise BadLineError(f"{source}: no rows (an empty file, or a compressed one holding nothing): not prepared; "
+                           f"remove it from the input files, or prepare with data.bad_lines=skip to keep it empty")
+
+
 def _publish(layout: StoreLayout, name: str, temp: Path) -> None:
-    """Rename the complete `temp` to shard `name`, replacing an outdated one; fsync `shards/`."""
+    """Rename the complete `temp` to shard `name`, replacing an outdated one (a folder of ours, never a link:
+    `remove_store_dir`); fsync `shards/`."""
     target = layout.shard_dir(name)
     replaced = temp.with_name(f"{temp.name}-replaced")
-    had_one = target.exists()
+    had_one = check_store_dir(layout.root, target)
     if had_one:  # an outdated shard (its input changed): moved aside first, as rename cannot replace a directory
         os.rename(target, replaced)
     try:
@@ -168,4 +216,4 @@ def _publish(layout: StoreLayout, name: str, temp: Path) -> None:
         raise
     fsync_path(layout.shards)
     if had_one:
-        shutil.rmtree(replaced)
+        remove_store_dir(layout.root, replaced)

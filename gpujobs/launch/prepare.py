@@ -29,6 +29,7 @@ from gpujobs.data.prepare import (
     prepare_store,
     start_prepare,
 )
+from gpujobs.data.store_files import read_store_file
 
 #: In the store's `.prepare/`: "<backend> <job id>" of the job array that prepares it.
 QUEUED_JOB = "job"
@@ -39,8 +40,8 @@ LOGS = "logs"
 def refuse_if_queued(store: Path) -> None:
     """StoreError when a job array queued to prepare `store` may still run (its scheduler says so)."""
     try:
-        backend_name, job_id = (tasks_dir(store) / QUEUED_JOB).read_text().split()
-    except (OSError, ValueError):
+        backend_name, job_id = read_store_file(store, tasks_dir(store) / QUEUED_JOB).decode().split()
+    except (OSError, ValueError):  # none queued (a StoreError, a file not trusted, is no OSError: it stops here)
         return
     backend = backend_named(backend_name)
     if isinstance(backend, Scheduler):

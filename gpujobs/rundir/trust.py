@@ -251,3 +251,45 @@ def read_own(path: Path) -> str:
     """`path`'s text, read through `open_read`."""
     with open_read(path) as handle:
         return handle.read().decode(errors="replace")
+
+
+#: What stands where a regular file belongs, when it is something else.
+_NOT_A_FILE = {stat.S_IFLNK: "a symlink", stat.S_IFIFO: "a FIFO", stat.S_IFDIR: "a directory",
+               stat.S_IFCHR: "a device", stat.S_IFBLK: "a device", stat.S_IFSOCK: "a socket"}
+
+
+def file_problem(info: os.stat_result) -> Optional[str]:
+    """Why a file with `info` (an lstat, or the fstat of what was opened) is not to be trusted, or None:
+    anything but a regular file (a link, a FIFO that would block its reader, a directory, a device), another
+    user's, or one with a name elsewhere too (a hard link: writing it would write that other file)."""
+    if not stat.S_ISREG(info.st_mode):
+        return _NOT_A_FILE.get(stat.S_IFMT(info.st_mode), "no regular file")
+    if info.st_uid != os.geteuid():
+        return f"owned by {_user(info.st_uid)}, not by {_user(os.geteuid())}"
+    if info.st_nlink != 1:
+        return f"a hard link ({info.st_nlink} names)"
+    return None
+
+
+def open_trusted(path: Path, flags: int = os.O_RDONLY, mode: int = 0o644) -> int:
+    """A descriptor of `path` (made when missing where `flags` hold O_CREAT) when it is a regular file of this
+    user's with one name; else Untrusted, saying what is there. Never follows a link (O_NOFOLLOW), never
+    blocks on a FIFO (O_NONBLOCK: it opens at once, and fstat refuses it); FileNotFoundError passes. Pass no
+    O_TRUNC: a file is changed only once it is checked."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
+    except FileNotFoundError:
+        raise
+    except OSError as err:  # a link (ELOOP), a directory opened to write (EISDIR), a socket (ENXIO): say which
+        try:
+            found = file_problem(os.lstat(path))
+        except OSError:
+            found = None
+        if found is None:
+            raise err from None
+        raise Untrusted(f"{path} is {found}: not opened") from None
+    found = file_problem(os.fstat(fd))
+    if found is not None:
+        os.close(fd)
+        raise Untrusted(f"{path} is {found}: not opened")
+    return fd

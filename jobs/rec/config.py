@@ -264,8 +264,12 @@ class CriteoConfig(Checked):
     """Seed of the shuffling; independent of the training seed."""
     prepare_workers: Optional[int] = field(default=None, metadata=bounds(ge=1))
     """Processes of `gpujobs prepare` on one machine (null: one per input file, at most one per CPU)."""
+    verify: bool = False
+    """Open the store checking every column file's sha256 against the manifest, at submit and in each rank
+    (O(bytes): the whole store is read). Without it opening checks each shard's shard.json against the
+    manifest and each column file's size and mtime, which miss a change that keeps both."""
 
-    SAME_RUN_IGNORES: ClassVar[tuple[str, ...]] = ("prepare_workers",)
+    SAME_RUN_IGNORES: ClassVar[tuple[str, ...]] = ("prepare_workers", "verify")
     """Keys a run may change and still resume its checkpoints: they change no training step."""
 
     def __post_init__(self) -> None:
@@ -300,12 +304,15 @@ class CriteoConfig(Checked):
 
     def check_here(self, job: JobConfig) -> None:
         """At submit (`gpujobs.launch.preflight`): the store must be prepared, finished, of this config's
-        hash_buckets and unchanged since (`check_store`, O(shards) stats), and its training rows must serve
-        the global batch (read from the manifest, no data read). StoreError/ConfigError naming data.store.
+        hash_buckets and unchanged since (`check_store`, O(shards) small reads and stats; O(bytes) with
+        `verify`), prepared from the files that train_files and eval_files name, as they are now (where they
+        name any), and its training rows must serve the global batch (read from the manifest, no data read).
+        StoreError/ConfigError naming data.store.
 
         A Slurm job's store may live on storage only the nodes mount: where not even its parent directory
         is visible here, a line says so and the ranks check it as they open it."""
-        from gpujobs.data.manifest import StoreError, check_store
+        from gpujobs.data.manifest import StoreError, check_sources, check_store
+        from gpujobs.data.prepare import expand_inputs
 
         store = Path(self.store)
         if job.cluster.name == "slurm" and not store.parent.is_dir():
@@ -313,7 +320,10 @@ class CriteoConfig(Checked):
                   file=sys.stderr)
             return
         parser = self.parser()
-        manifest = check_store(store, parser.name, parser.settings())
+        manifest = check_store(store, parser.name, parser.settings(), self.verify)
+        for split, key, patterns in self._inputs():
+            if patterns:  # none named: the config trains on the store as it was prepared
+                check_sources(store, manifest, split, key, expand_inputs(key, patterns))
         if manifest.rows("eval") < 1:
             raise StoreError(store, "it holds no eval rows: prepare it with data.eval_files")
         rows = manifest.rows("train")
@@ -326,12 +336,15 @@ class CriteoConfig(Checked):
         from gpujobs.data.prepare import PreparePlan, expand_inputs
 
         splits = {}
-        for split, key, patterns in (("train", "data.train_files", self.train_files),
-                                     ("eval", "data.eval_files", self.eval_files)):
+        for split, key, patterns in self._inputs():
             if not patterns:
                 raise ConfigError(key, patterns, "one or more paths or globs of Criteo-format files to prepare")
             splits[split] = expand_inputs(key, patterns)
         return PreparePlan(store=Path(self.store), splits=splits, parser=self.parser(), bad_lines=self.bad_lines)
+
+    def _inputs(self) -> tuple[tuple[str, str, list[str]], ...]:
+        """(split, its key, its patterns) of the store's two splits."""
+        return (("train", "data.train_files", self.train_files), ("eval", "data.eval_files", self.eval_files))
 
     def build(self, world_size: int, micro_batches: int) -> RecData:
         """Open the store (checked as at submit) and its global sample stream (see SyntheticClicksConfig.build):
@@ -340,7 +353,7 @@ class CriteoConfig(Checked):
         from jobs.rec.data import RecData, StoreRows
 
         parser = self.parser()
-        store = SampleStore.open(Path(self.store), parser.name, parser.settings())
+        store = SampleStore.open(Path(self.store), parser.name, parser.settings(), self.verify)
         rows = store.rows("train")  # the batch rule again: a Slurm job's store may not have been visible at submit
         check_global_batch(self, world_size, micro_batches, rows, f"the {rows} training rows of data.store")
         features = self.features()
