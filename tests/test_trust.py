@@ -206,3 +206,27 @@ def test_a_planted_prometheus_json_deletes_nothing_and_rank_0s_target_is_still_w
     (planted / PROMETHEUS_FILE).write_text(json.dumps({"sd_target": target.identity()}))
     withdraw_left_target(planted)
     assert list(sd_dir.iterdir()) == []
+
+
+def test_a_fifo_where_the_job_writes_is_refused_not_waited_on(tmp_path: Path) -> None:
+    """A FIFO planted where the job writes a file (no reader on it) is refused at once: before, opening it to
+    write blocked the rank for as long as nobody read it."""
+    import threading
+
+    from gpujobs.rundir.trust import Untrusted, write_own
+
+    planted = tmp_path / "rank_0.json"
+    os.mkfifo(planted)
+    outcome: list[BaseException] = []
+
+    def write() -> None:
+        try:
+            write_own(planted, "{}")
+        except BaseException as err:
+            outcome.append(err)
+
+    writer = threading.Thread(target=write, daemon=True)
+    writer.start()
+    writer.join(10)
+    assert not writer.is_alive(), "write_own blocked on the FIFO"
+    assert len(outcome) == 1 and isinstance(outcome[0], Untrusted) and "FIFO" in str(outcome[0])

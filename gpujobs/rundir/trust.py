@@ -207,7 +207,13 @@ def open_own(path: Path, mode: int = 0o644, truncate: bool = True) -> int:
     """A descriptor to write `path` from its start, made when missing; a symlink there is not followed
     (O_NOFOLLOW), and a file that is not the user's alone is left as it is (Untrusted): truncated only
     once checked (and only if `truncate`)."""
-    fd = _own_file(_open(path, os.O_WRONLY | os.O_CREAT, mode), Path(path))
+    try:  # O_NONBLOCK: a FIFO planted there fails at once (ENXIO, no reader) instead of blocking the writer
+        fd = _own_file(_open(path, os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK, mode), Path(path))
+    except OSError as err:
+        if err.errno == errno.ENXIO:
+            raise Untrusted(f"{path} is a FIFO: the job does not write it (remove it, if it is no run's)") from None
+        raise
+    os.set_blocking(fd, True)  # a regular file's writes never block; the flag is dropped for what follows
     if truncate:
         os.ftruncate(fd, 0)
     return fd
