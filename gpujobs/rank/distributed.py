@@ -107,13 +107,13 @@ def torch_nccl_env(job: JobConfig, run_dir: Path, pipe_dir: Optional[Path]) -> d
 
 
 def init_process_group(
-    info: DistInfo, nccl: NcclSettings, timeout_s: int, run_dir: Optional[Path] = None
+    info: DistInfo, nccl: NcclSettings, timeout_s: int, run_dir: Optional[Path] = None, always: bool = False
 ) -> Optional[str]:
     """Apply NCCL settings (the files NCCL writes go to `run_dir`/nccl/), then join the group
-    (`backend_for`); returns the backend, or None when there is one rank and
-    `GPUJOBS_FORCE_PROCESS_GROUP` is not 1 (no group at all)."""
+    (`backend_for`); returns the backend, or None when there is one rank, `always` is false (a sharded
+    model needs a group of one too) and `GPUJOBS_FORCE_PROCESS_GROUP` is not 1 (no group at all)."""
     export_nccl_env(nccl, run_dir)  # before the group exists: NCCL reads them at init
-    if info.world_size == 1 and os.environ.get(FORCE_GROUP_ENV) != "1":
+    if info.world_size == 1 and not always and os.environ.get(FORCE_GROUP_ENV) != "1":
         return None
     export_torchrun_env(info)
     cuda = torch.cuda.is_available()

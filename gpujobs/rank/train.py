@@ -103,7 +103,8 @@ class TrainJob:
             torch.use_deterministic_algorithms(True, warn_only=True)
         # the flight recorder (its pipe in the heartbeat's node-local dir) and NCCL's monitor
         os.environ.update(distributed.torch_nccl_env(job, run_dir, attempt.beat.pipe_dir))
-        backend = distributed.init_process_group(info, job.nccl, job.trainer.pg_timeout_s, run_dir)
+        backend = distributed.init_process_group(info, job.nccl, job.trainer.pg_timeout_s, run_dir,
+                                                 always=job.parallel.name == "torchrec")
         cleanup.callback(distributed.destroy_process_group)
         cleanup.callback(attempt.drop)  # first: no DDP wrapper may outlive the process group
         device = distributed.device_for(info)

@@ -24,6 +24,8 @@ from jobs.rec.features import HASH_BUCKETS_ALLOWED, FeatureSpec, criteo_features
 from jobs.rec.sizes import cross_parameters, mlp_parameters
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from gpujobs.config.schema import JobConfig
     from gpujobs.data.prepare import PreparePlan
     from jobs.rec.criteo_store import CriteoParser
@@ -81,8 +83,9 @@ class RecModelConfig(Checked, abc.ABC):
     1 disables it."""
 
     @abc.abstractmethod
-    def build(self, features: FeatureSpec) -> RecModel:
-        """The model for `features`, initialised from torch's global RNG (the trainer seeds it)."""
+    def build(self, features: FeatureSpec, tables: Optional[nn.Module] = None) -> RecModel:
+        """The model for `features`, initialised from torch's global RNG (the trainer seeds it); `tables`: a
+        sparse arch to use instead of the model's own tables (TorchRec's, under parallel=torchrec)."""
 
     @abc.abstractmethod
     def top_width(self, features: FeatureSpec) -> int:
@@ -110,11 +113,11 @@ class DLRMConfig(RecModelConfig):
     interaction: str = field(default="dot", metadata=bounds(one_of=INTERACTIONS))
     """"dot": pairwise dot products of all feature vectors (DLRM); "cat": plain concatenation."""
 
-    def build(self, features: FeatureSpec) -> DLRM:
+    def build(self, features: FeatureSpec, tables: Optional[nn.Module] = None) -> DLRM:
         """The model for `features`, initialised from torch's global RNG (the trainer seeds it)."""
         from jobs.rec.model import DLRM
 
-        return DLRM(features, self)
+        return DLRM(features, self, tables)
 
     def top_width(self, features: FeatureSpec) -> int:
         """The dense vector and the pairwise dot products ("dot"), or all F vectors ("cat")."""
@@ -141,11 +144,11 @@ class DCNv2Config(RecModelConfig):
     """Rank of each cross layer's U V (V: F x embedding_dim -> low_rank, U: back): 2 x F x embedding_dim x
     low_rank weights a layer, which full rank would square."""
 
-    def build(self, features: FeatureSpec) -> DCNv2:
+    def build(self, features: FeatureSpec, tables: Optional[nn.Module] = None) -> DCNv2:
         """The model for `features`, initialised from torch's global RNG (the trainer seeds it)."""
         from jobs.rec.dcnv2 import DCNv2
 
-        return DCNv2(features, self)
+        return DCNv2(features, self, tables)
 
     def top_width(self, features: FeatureSpec) -> int:
         """The F vectors concatenated, as the cross layers leave them."""

@@ -3,6 +3,8 @@ of a sample, concatenated, go through low-rank cross layers, then the top MLP to
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
@@ -41,8 +43,8 @@ class DCNv2(RecModel):
     vector among the embeddings); the top MLP's last layer is linear (a logit).
     """
 
-    def __init__(self, features: FeatureSpec, cfg: DCNv2Config) -> None:
-        super().__init__(features, cfg, bottom_relu=True)
+    def __init__(self, features: FeatureSpec, cfg: DCNv2Config, tables: Optional[nn.Module] = None) -> None:
+        super().__init__(features, cfg, bottom_relu=True, tables=tables)
         width = cfg.top_width(features)  # F x embedding_dim
         self.cross = nn.ModuleList(CrossLayer(width, cfg.low_rank) for _ in range(cfg.cross_layers))
         self.top = mlp(width, cfg.top_mlp, 1)

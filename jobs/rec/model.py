@@ -11,6 +11,7 @@ from __future__ import annotations
 import abc
 import itertools
 from collections.abc import Sequence
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -62,13 +63,17 @@ class RecModel(nn.Module, abc.ABC):
     `forward_embedded` makes them one click logit per sample. Every size comes from the config (`cfg.shape`
     counts the same parts)."""
 
-    def __init__(self, features: FeatureSpec, cfg: RecModelConfig, bottom_relu: bool = False) -> None:
+    def __init__(self, features: FeatureSpec, cfg: RecModelConfig, bottom_relu: bool = False,
+                 tables: Optional[nn.Module] = None) -> None:
+        """`tables`: another sparse arch in place of `EmbeddingTables` (TorchRec's, under parallel=torchrec)."""
         super().__init__()
-        self.embeddings = EmbeddingTables(features.cardinalities, cfg.embedding_dim, cfg.embedding_lr_scale)
+        self.embeddings = tables if tables is not None else EmbeddingTables(
+            features.cardinalities, cfg.embedding_dim, cfg.embedding_lr_scale)
         self.bottom = mlp(features.num_dense, cfg.bottom_mlp, cfg.embedding_dim, relu_last=bottom_relu)
 
-    def forward(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
-        """Click logits [B] for dense features float32 [B, num_dense] and indices int64 [B, S]."""
+    def forward(self, dense: torch.Tensor, sparse: Any) -> torch.Tensor:
+        """Click logits [B] for dense features float32 [B, num_dense] and indices int64 [B, S] (or, for a sharded
+        sparse arch, a KeyedJaggedTensor of them)."""
         return self.forward_embedded(dense, self.embeddings(sparse))
 
     @abc.abstractmethod
@@ -89,8 +94,8 @@ class DLRM(RecModel):
     MLP ends in one click logit per sample.
     """
 
-    def __init__(self, features: FeatureSpec, cfg: DLRMConfig) -> None:
-        super().__init__(features, cfg)
+    def __init__(self, features: FeatureSpec, cfg: DLRMConfig, tables: Optional[nn.Module] = None) -> None:
+        super().__init__(features, cfg, tables=tables)
         self.interaction = cfg.interaction
         self.top = mlp(cfg.top_width(features), cfg.top_mlp, 1)
         # Kept out of the state dict: it is derived from the shapes, and a buffer would make DDP

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from typing import Optional
 
 import torch
@@ -10,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpujobs.rank import collectives
+from gpujobs.rank.parallel.sharded import TableBags, to_kjt
 from gpujobs.rank.task import eval_share
 from jobs.rec.config import CriteoConfig, RecModelConfig, SyntheticClicksConfig
 from jobs.rec.data import RecBatch, pinned_staging
@@ -21,6 +23,8 @@ AUC_TOLERANCE = 1e-4
 """How far the eval's AUC may be from the exact one before a warning says it may be."""
 CENTER_ROWS = 1024
 """Eval rows whose mean logit centres the eval's histogram bins."""
+EVAL_BATCH = 4096
+"""Eval rows a forward."""
 
 
 class RecTask:
@@ -35,17 +39,30 @@ class RecTask:
         data_cfg: SyntheticClicksConfig | CriteoConfig,
         world_size: int,
         micro_batches: int,
+        parallel: str = "ddp",
     ) -> None:
         self.data = data_cfg.build(world_size, micro_batches)
-        self.model: nn.Module = model_cfg.build(self.data.features)
+        features = self.data.features
+        self.tables: Optional[TableBags] = None
+        """parallel=torchrec: the model's tables, one TorchRec collection on the meta device (the trainer
+        shards it); None under DDP, where the model holds its own."""
+        if parallel == "torchrec":
+            scale = model_cfg.embedding_lr_scale
+            self.tables = TableBags(model_cfg.shape(features), torch.device("meta"), scale=scale,
+                                    init_std=model_cfg.embedding_dim**-0.5 / scale)
+        self.model: nn.Module = model_cfg.build(features, self.tables)
         self.global_batch_size: int = self.data.global_batch_size
         """Samples per optimizer step, all ranks together."""
 
     def train_batch(self, step: int, start: int, stop: int, device: torch.device) -> RecBatch:
         """Rows `start..stop` of optimizer step `step`'s global batch, on `device` (copied from pinned memory
-        without blocking the host on CUDA)."""
+        without blocking the host on CUDA); under parallel=torchrec its categorical features as a
+        KeyedJaggedTensor."""
         pinned = pinned_staging(device)
-        return self.data.train_rows(step, start, stop, pinned).to(device, non_blocking=pinned)
+        batch = self.data.train_rows(step, start, stop, pinned)
+        if self.tables is not None:
+            batch = batch._replace(sparse=to_kjt(batch.sparse, self.tables.keys))
+        return batch.to(device, non_blocking=pinned)
 
     def loss(self, model: nn.Module, batch: RecBatch) -> torch.Tensor:
         """Mean binary cross-entropy of `model` (the rec model, or a DDP wrapper of it) on `batch`."""
@@ -68,8 +85,12 @@ class RecTask:
         try:
             with torch.no_grad():
                 counted = ScoreHistogram(self._center(model, device, rows, rank))
-                for batch in self.data.eval_batches(start=start, stop=stop):
-                    counted.add(_logits(model, batch, device), batch.label)
+                for batch in self.data.eval_batches(EVAL_BATCH, start=start, stop=stop):
+                    counted.add(self._logits(model, batch, device), batch.label)
+                if self.tables is not None:  # a sharded forward is a collective: as many on every rank
+                    most = math.ceil(math.ceil(rows / world) / EVAL_BATCH)
+                    for _ in range(most - math.ceil((stop - start) / EVAL_BATCH)):
+                        self._logits(model, self._one_row(), device)  # its logits are no eval row's
         finally:
             model.train(was_training)
         whole = ScoreHistogram(counted.center, collectives.sum_across(counted.totals))
@@ -90,17 +111,23 @@ class RecTask:
         does not depend on the world size, so neither does the AUC.
         """
         mine = torch.zeros(2, dtype=torch.float64)
-        if rank == 0:
+        if rank == 0 or self.tables is not None:  # a sharded forward is a collective: every rank runs it
             for batch in self.data.eval_batches(batch_size=CENTER_ROWS, stop=min(rows, CENTER_ROWS)):  # a single batch
-                logits = _logits(model, batch, device)
-                mine[0], mine[1] = logits.to(torch.float64).sum(), logits.numel()
+                logits = self._logits(model, batch, device)
+                if rank == 0:
+                    mine[0], mine[1] = logits.to(torch.float64).sum(), logits.numel()
         total, count = collectives.sum_across(mine).tolist()
         return total / count if count else 0.0
 
+    def _logits(self, model: nn.Module, batch: RecBatch, device: torch.device) -> torch.Tensor:
+        if self.tables is not None:
+            batch = batch._replace(sparse=to_kjt(batch.sparse, self.tables.keys))
+        on_device = batch.to(device)
+        return model(on_device.dense, on_device.sparse).float().cpu()
 
-def _logits(model: nn.Module, batch: RecBatch, device: torch.device) -> torch.Tensor:
-    on_device = batch.to(device)
-    return model(on_device.dense, on_device.sparse).float().cpu()
+    def _one_row(self) -> RecBatch:
+        """The eval's first row: what a rank with fewer eval batches than another feeds the sharded forward."""
+        return next(self.data.eval_batches(batch_size=1, stop=1))
 
 
 def build_task(
@@ -108,6 +135,8 @@ def build_task(
     data_cfg: SyntheticClicksConfig | CriteoConfig,
     world_size: int,
     micro_batches: int,
+    parallel: str = "ddp",
 ) -> RecTask:
-    """The rec task of a run configured for `world_size` ranks, accumulating `micro_batches` per step."""
-    return RecTask(model_cfg, data_cfg, world_size, micro_batches)
+    """The rec task of a run configured for `world_size` ranks, accumulating `micro_batches` per step (its
+    tables TorchRec's, to be sharded, under `parallel="torchrec"`)."""
+    return RecTask(model_cfg, data_cfg, world_size, micro_batches, parallel)

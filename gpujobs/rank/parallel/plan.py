@@ -19,7 +19,7 @@ import logging
 import math
 import sys
 import warnings
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -44,12 +44,15 @@ CACHE_LOAD_FACTOR = 0.2
 ROW_SPLITTING = ("row_wise", "table_row_wise", "grid_shard")
 
 
-def embedding_bags(shape: ModelShape, device: torch.device) -> Any:
-    """The model's tables as one TorchRec `EmbeddingBagCollection` (sum pooling of one index per feature)."""
+def embedding_bags(shape: ModelShape, device: torch.device, init_std: Optional[float] = None) -> Any:
+    """The model's tables as one TorchRec `EmbeddingBagCollection` (sum pooling of one index per feature);
+    `init_std`: their values drawn uniformly with this standard deviation where they are made (TorchRec's
+    sharded kernels draw uniformly between two bounds; None: its own, 1/sqrt(rows))."""
     from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 
-    tables = [EmbeddingBagConfig(name=t.name, embedding_dim=t.dim, num_embeddings=t.rows, feature_names=[t.feature])
-              for t in shape.tables]
+    bound = {} if init_std is None else {"weight_init_max": 3**0.5 * init_std, "weight_init_min": -(3**0.5) * init_std}
+    tables = [EmbeddingBagConfig(name=t.name, embedding_dim=t.dim, num_embeddings=t.rows, feature_names=[t.feature],
+                                 **bound) for t in shape.tables]
     return EmbeddingBagCollection(tables=tables, device=device)
 
 

@@ -41,22 +41,29 @@ def to_kjt(sparse: torch.Tensor, keys: Sequence[str]) -> Any:
 
 class TableBags(nn.Module):
     """A model's tables as one TorchRec `EmbeddingBagCollection`: categorical indices (a KJT, or [B, S]) to
-    their vectors [B, S, d], in the shape's feature order (every table of one dimension)."""
+    their vectors [B, S, d], in the shape's feature order (every table of one dimension).
 
-    def __init__(self, shape: ModelShape, device: torch.device) -> None:
+    `scale` multiplies the vectors (the values are stored divided by it: a model's `embedding_lr_scale`),
+    `init_std` is their spread where the sharded tables are made."""
+
+    def __init__(self, shape: ModelShape, device: torch.device, scale: float = 1.0,
+                 init_std: Optional[float] = None) -> None:
         super().__init__()
         dims = {table.dim for table in shape.tables}
         if len(dims) != 1:
             raise ValueError(f"TableBags needs tables of one dimension, not {sorted(dims)}")
         self.keys = [table.feature for table in shape.tables]
         self.dim = dims.pop()
-        self.bags = embedding_bags(shape, device)
+        self.scale = scale
+        self.bags = embedding_bags(shape, device, init_std)
 
     def forward(self, sparse: Any) -> torch.Tensor:
         kjt = to_kjt(sparse, self.keys) if isinstance(sparse, torch.Tensor) else sparse
-        pooled = self.bags(kjt)  # a KeyedTensor: [B, S * d], the features in the collection's order
-        vectors: torch.Tensor = pooled.values().view(-1, len(self.keys), self.dim)
-        return vectors
+        # a KeyedTensor [B, S * d] whose features come in the order the sharding grouped them (not the tables'):
+        # taken by name
+        by_feature = self.bags(kjt).to_dict()
+        vectors = torch.stack([by_feature[key] for key in self.keys], dim=1)
+        return vectors * self.scale if self.scale != 1.0 else vectors
 
 
 def tables_of(model: nn.Module) -> tuple[str, TableBags]:
@@ -158,19 +165,22 @@ class ShardedModel:
         for the same values under any plan. Empty on the other ranks."""
         digest = hashlib.sha256()
         rank = collectives.rank_and_world()[0]
-        for name, full in self._whole_tables(rank):
+        for name, full in self.whole_tables():
             if rank == 0:
-                digest.update(name.encode())
+                digest.update(name.encode())  # the table's name, whatever module holds it
                 digest.update(full.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
         return digest.hexdigest() if rank == 0 else ""
 
-    def _whole_tables(self, rank: int) -> Iterator[tuple[str, torch.Tensor]]:
+    def whole_tables(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Collective: (table name, the whole table) for each table in name order, gathered to rank 0 one table
+        at a time (an empty tensor on the other ranks)."""
+        rank = collectives.rank_and_world()[0]
         state = self._state()
         for name in sorted(self.table_keys):
             sharded = state[name]
             full = torch.empty(sharded.size(), dtype=sharded.dtype) if rank == 0 else None
             sharded.gather(dst=0, out=full)
-            yield name, full if full is not None else torch.empty(0)
+            yield name.split(".")[-2], full if full is not None else torch.empty(0)
 
 
 def _plain(name: str) -> str:
