@@ -19,6 +19,7 @@ import subprocess
 import sys
 from typing import Any, Optional
 
+from gpujobs.backends import backend_for
 from gpujobs.base.errors import ConfigError, GpujobsError
 from gpujobs.config.load import JobConfig
 from gpujobs.config.memory import DoesNotFit, MemoryPlan, PlanRequest, check_replicated, replicated_plan
@@ -34,7 +35,7 @@ def plan_job(job: JobConfig, cache: Optional[dict[Any, Any]] = None) -> Optional
     shape = model_shape(job)
     if shape is None:
         return None
-    request = plan_request(job, shape)
+    request = plan_request(job, shape, here=not backend_for(job).queues)  # a queued job's nodes are elsewhere
     key = ("memory plan", json.dumps(request.to_json(), sort_keys=True))
     if cache is not None and key in cache:
         cached: MemoryPlan = cache[key]

@@ -35,16 +35,12 @@ def model_shape(job: JobConfig) -> Optional[ModelShape]:
     return result
 
 
-def _local(job: JobConfig) -> bool:
-    return job.cluster.name in ("local", "debug")
-
-
-def gpu_memory(job: JobConfig) -> Optional[int]:
-    """A GPU's memory in bytes: `resources.gpu_mem_gib`, else the smallest of this machine's GPUs (NVML) for a
-    local job, else None."""
+def gpu_memory(job: JobConfig, here: bool) -> Optional[int]:
+    """A GPU's memory in bytes: `resources.gpu_mem_gib`, else, where the job's GPUs are this machine's (`here`),
+    the smallest of them (NVML), else None."""
     if job.resources.gpu_mem_gib is not None:
         return int(job.resources.gpu_mem_gib * GIB)
-    if not _local(job) or job.resources.gpus_per_node == 0:
+    if not here or job.resources.gpus_per_node == 0:
         return None
     from gpujobs.base.nvml import NvmlUnavailable, nvml_session, visible_gpus
 
@@ -56,21 +52,22 @@ def gpu_memory(job: JobConfig) -> Optional[int]:
     return min(sizes) if sizes else None
 
 
-def host_memory(job: JobConfig) -> Optional[int]:
+def host_memory(job: JobConfig, here: bool) -> Optional[int]:
     """A node's memory for the ranks, in bytes: `resources.host_mem_gib`, else `resources.mem_gb` (Slurm's
-    --mem), else this machine's for a local job, else None."""
+    --mem), else this machine's where the job runs on it (`here`), else None."""
     resources = job.resources
     if resources.host_mem_gib is not None:
         return int(resources.host_mem_gib * GIB)
     if resources.mem_gb is not None:
         return int(resources.mem_gb * 1000**3)
-    if _local(job):
+    if here:
         return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     return None
 
 
-def plan_request(job: JobConfig, shape: ModelShape, nodes: Optional[int] = None) -> PlanRequest:
-    """The request of `job`'s plan on `nodes` (default: resources.nodes): its topology, memory, optimizers and
+def plan_request(job: JobConfig, shape: ModelShape, here: bool, nodes: Optional[int] = None) -> PlanRequest:
+    """The request of `job`'s plan on `nodes` (default: resources.nodes): its topology, memory (this machine's
+    where the config says none and the job runs `here`: a local job, or a rank on its node), optimizers and
     sharding settings."""
     resources, parallel = job.resources, job.parallel
     nodes = nodes or resources.nodes
@@ -78,7 +75,8 @@ def plan_request(job: JobConfig, shape: ModelShape, nodes: Optional[int] = None)
     batch = global_batch_of(job, world) or world
     return PlanRequest(
         shape=shape, nodes=nodes, ranks_per_node=resources.ranks_per_node,
-        device="cuda" if resources.gpus_per_node else "cpu", gpu_mem=gpu_memory(job), host_mem=host_memory(job),
+        device="cuda" if resources.gpus_per_node else "cpu", gpu_mem=gpu_memory(job, here),
+        host_mem=host_memory(job, here),
         parallel=str(parallel.name), dense_optimizer=str(job.optim.name),
         table_optimizer=str(job.optim.table_optimizer),
         batch_per_rank=max(1, batch // (world * job.trainer.grad_accum)),

@@ -86,7 +86,8 @@ class Sharded:
         shape = model_shape(job)
         if shape is None:
             raise ValueError("parallel=torchrec needs a model config that describes its tables (shape(features))")
-        request = plan_request(job, shape, nodes=max(1, info.world_size // job.resources.ranks_per_node))
+        # on its node, a rank reads the node's memory where the config names none
+        request = plan_request(job, shape, here=True, nodes=max(1, info.world_size // job.resources.ranks_per_node))
         chosen = Path(job.parallel.plan) if job.parallel.plan else run_dir / PLAN_FILE
         memory, new = agreed_plan(request, read_plan(chosen), info.rank)
         if job.parallel.plan and new:
