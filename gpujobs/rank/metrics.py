@@ -80,3 +80,16 @@ def state_digest(state: dict[str, torch.Tensor]) -> str:
         digest.update(name.encode())
         digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
+
+
+def peak_rss_mb() -> Optional[float]:
+    """This process's peak resident memory in MB (VmHWM, from /proc; None where there is none): what a rank
+    needed of its node's memory, its model's share included."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return round(int(line.split()[1]) / 1024, 1)
+    except OSError:
+        return None
+    return None

@@ -86,7 +86,9 @@ class TrainJob:
         attempt.trainer = Trainer(job, info, device, attempt.task, checkpoints, metrics, **observers)
         result = attempt.trainer.fit()
         attempt.beat.phase = "done"  # what follows (a Prometheus linger, the teardown) is no hang
-        result["ranks"] = attempt.ranks
+        peaks = result.pop("rank_peak_rss_mb", [])  # every rank's, in rank order, as the places are
+        result["ranks"] = [{**place, "peak_rss_mb": peaks[rank] if rank < len(peaks) else None}
+                           for rank, place in enumerate(attempt.ranks)]
         self._record(info, watcher, attempt, result, run_dir)
         return result
 

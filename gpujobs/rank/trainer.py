@@ -19,7 +19,7 @@ from gpujobs.rank.buckets import settle_buckets
 from gpujobs.rank.checkpoint import Checkpointed, CheckpointManager
 from gpujobs.rank.compute_clock import ComputeClock, StepTimes
 from gpujobs.rank.distributed import device_names
-from gpujobs.rank.metrics import GatheringTrainRecord, MetricsLog
+from gpujobs.rank.metrics import GatheringTrainRecord, MetricsLog, peak_rss_mb
 from gpujobs.rank.observe.telemetry import Telemetry
 from gpujobs.rank.optim import build_optimizer, build_scheduler, schedule_is_flat
 from gpujobs.rank.parallel.spread import spread
@@ -299,6 +299,7 @@ class Trainer:
             "samples_per_s": round((self.samples - start_samples) / train_s, 2) if train_s > 0 else None,
             "wall_s": round(wall_s, 3),
             "param_digest": self.spread.digest(),
+            "rank_peak_rss_mb": collectives.all_gather_objects(peak_rss_mb()),
             "resumed_from": self.resumed_from,
             "resume_skipped": self.resume_skipped,
         }

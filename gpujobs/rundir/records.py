@@ -135,7 +135,7 @@ class Result:
     resumed_from: Optional[str] = None
     resume_skipped: list[dict[str, Any]] = field(default_factory=list)
     ranks: list[dict[str, Any]] = field(default_factory=list)
-    """Every rank's place (node, local rank, visible GPUs)."""
+    """Every rank's place (node, local rank, visible GPUs) and its peak resident memory (peak_rss_mb)."""
     kind: str = "trainer"
     """trainer, or script (a bring-your-own script)."""
     script: Optional[str] = None
