@@ -23,9 +23,10 @@ from jobctl import RunningJob, attempts
 pytest.importorskip("torchrec", reason="scripts/install-torchrec.sh cpu installs it (scripts/test.sh does)")
 
 #: 40 steps of the rec job with its tables sharded, on 2 local CPU ranks, slowed on rank 0 (~2 s of steps).
-SHARDED = ("+experiment=rec", "+debug=tiny", "cluster=local", "parallel=torchrec", "trainer.max_steps=40",
-           "trainer.log_every=1", "trainer.eval_every=20", "checkpoint.every_steps=10", "data.global_batch_size=128",
-           "telemetry.debug_slow_rank=0", "telemetry.debug_slow_ms=40")
+MODEL = ("+experiment=rec", "+debug=tiny", "parallel=torchrec", "trainer.max_steps=40", "trainer.log_every=1",
+         "trainer.eval_every=20", "checkpoint.every_steps=10", "data.global_batch_size=128",
+         "telemetry.debug_slow_rank=0", "telemetry.debug_slow_ms=40")
+SHARDED = (*MODEL, "cluster=local")
 #: The reference's plan on 4 nodes of 3 16-GiB GPUs, and the key that refuses it on one.
 REFERENCE = ("+experiment=dlrm_dcnv2", "resources.gpus_per_node=3", "resources.gpu_mem_gib=16")
 
@@ -200,3 +201,30 @@ def test_sharded_lookups_are_the_whole_tables_rows_even_for_uneven_batches(tmp_p
 
     mp.spawn(_lookup_worker, args=(free_port(), str(tmp_path)), nprocs=3)
     assert [float((tmp_path / f"rank_{r}").read_text()) for r in range(3)] == [0.0, 0.0, 0.0]
+
+
+# --- on the live Slurm cluster --------------------------------------------------------------------------------
+@pytest.mark.slurm
+def test_on_slurm_usr2_requeues_and_resumes_the_sharded_run_exactly(
+    tmp_path: Path, slurm: dict[str, str], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """2 nodes, a rank each, the tables sharded across them: USR2 to the job, the agreed save of every rank's
+    shards, the requeue, the resume from them; the same digest as the same training as 2 local ranks."""
+    import os
+
+    from conftest import slurm_job_id, uninterrupted_digest
+
+    # whole tables only: a column-wise shard's row-wise Adagrad sees its columns alone, so both plans must agree
+    model = (*MODEL, "trainer.max_steps=120", "checkpoint.every_steps=40", "resources.host_mem_gib=4",
+             "parallel.sharding_types=[table_wise]")
+    reference = uninterrupted_digest(tmp_path_factory, "sharded-reference", *model, "cluster=local")
+    run_dir = tmp_path / "run"
+    job = RunningJob(run_dir, *model, "cluster=slurm", "resources.nodes=2", "resources.procs_per_node=1",
+                     "cluster.wait=true", env=slurm)
+    job.wait_for_step(30)
+    subprocess.run(["scancel", "--signal=USR2", slurm_job_id(job.output())], check=True, env={**os.environ, **slurm})
+    assert job.wait(timeout=300) == 0, job.output()
+    story = attempts(run_dir)
+    assert [a["reason"] for a in story] == ["preempted", "completed"], story
+    assert story[1]["start_step"] == story[0]["steps_done"] and story[1]["resumed_from"] == story[0]["saved"]
+    assert read_result(run_dir)["param_digest"] == reference

@@ -29,6 +29,9 @@ from gpujobs.rank.parallel.plan import embedding_bags, fuse_table_optimizer, pla
 
 log = logging.getLogger(__name__)
 
+#: Rows a table's values are drawn for at once, from a generator of their own (`ShardedModel._init_tables`).
+INIT_BLOCK = 4096
+
 
 def to_kjt(sparse: torch.Tensor, keys: Sequence[str]) -> Any:
     """Indices [B, S] (one value per feature per sample) as TorchRec's `KeyedJaggedTensor`: feature-major values,
@@ -55,6 +58,7 @@ class TableBags(nn.Module):
         self.keys = [table.feature for table in shape.tables]
         self.dim = dims.pop()
         self.scale = scale
+        self.init_std = init_std if init_std is not None else 1.0 / max(t.rows for t in shape.tables) ** 0.5
         self.bags = embedding_bags(shape, device, init_std)
 
     def forward(self, sparse: Any) -> torch.Tensor:
@@ -119,7 +123,7 @@ class ShardedModel:
     """`model` (its tables a `TableBags` on the meta device) sharded over the ranks by `memory`."""
 
     def __init__(self, model: nn.Module, memory: MemoryPlan, device: torch.device, table_optimizer: str,
-                 lr: float) -> None:
+                 lr: float, seed: int = 0) -> None:
         from torchrec.distributed import DistributedModelParallel
         from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 
@@ -133,6 +137,29 @@ class ShardedModel:
         self.model: nn.Module = self.wrapped.module  # the model itself, its tables sharded: eval and the digest
         table_ids = {id(p) for name, p in self.wrapped.named_parameters() if _plain(name) in self.table_keys}
         self.dense_parameters = [p for p in self.wrapped.parameters() if id(p) not in table_ids]
+        self._init_tables(seed, tables.init_std)
+
+    def _init_tables(self, seed: int, std: float) -> None:
+        """Every table's values, drawn uniformly with `std` in blocks of `INIT_BLOCK` rows, each block from a
+        generator seeded by (seed, table, block): a shard takes its rows and columns of them, so the tables
+        start the same under any plan and world size (TorchRec's own init draws each shard from its rank's
+        stream)."""
+        bound = 3**0.5 * std
+        names = sorted(t.name for t in self.memory.tables)
+        with torch.no_grad():
+            for key, value in self._state().items():
+                if key not in self.table_keys:
+                    continue
+                number = names.index(key.split(".")[-2])
+                for shard in value.local_shards():
+                    (row, col), (rows, cols) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
+                    for first in range(row - row % INIT_BLOCK, row + rows, INIT_BLOCK):
+                        block = first // INIT_BLOCK
+                        generator = torch.Generator().manual_seed(((seed * 1_000_003 + number) * 1_000_003 + block)
+                                                                  % 2**63)
+                        values = torch.rand(INIT_BLOCK, value.size(1), generator=generator) * (2 * bound) - bound
+                        low, high = max(first, row), min(first + INIT_BLOCK, row + rows)
+                        shard.tensor[low - row:high - row].copy_(values[low - first:high - first, col:col + cols])
 
     def dense_state(self) -> dict[str, torch.Tensor]:
         """The model's dense parameters and buffers (every rank holds the same): the shared state's model."""

@@ -96,7 +96,8 @@ class Sharded:
         if new and info.is_main:
             write_plan(run_dir, memory)
             log.info("tables sharded by a new plan for %d ranks (kept as %s)", info.world_size, run_dir / PLAN_FILE)
-        self.sharded_model = ShardedModel(model, memory, device, str(job.optim.table_optimizer), job.optim.lr)
+        self.sharded_model = ShardedModel(model, memory, device, str(job.optim.table_optimizer), job.optim.lr,
+                                          seed=job.trainer.seed % 2**63)
         self.model = self.sharded_model.model
         self.wrapped = self.sharded_model.wrapped
         self.sharded_state = self.sharded_model.sharded_state
