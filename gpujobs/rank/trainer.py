@@ -69,7 +69,7 @@ class Trainer:
                              checkpoints.directory.parent)
         self.model, self.ddp = self.spread.model, self.spread.wrapped
         """The model as evaluated and saved; the model as the step runs it (DDP's or TorchRec's wrapper)."""
-        self.optimizer = build_optimizer(self.spread.trained_parameters(), job.optim)
+        self.optimizer = build_optimizer(self.spread.trained_parameters(), job.optim, cuda=device.type == "cuda")
         self.scheduler = build_scheduler(self.optimizer, job.optim, cfg.max_steps)
         self.flat_schedule = schedule_is_flat(job.optim)
         self.autocast = job_autocast(cfg.amp, device, info.is_main)
