@@ -31,6 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import checkout  # noqa: F401  (first: the checkout on the path, before gpujobs)
 import torch
 import torch.multiprocessing as mp
 from hydra import compose, initialize_config_dir
