@@ -11,6 +11,7 @@ from gpujobs.backends import backend_for, backend_named, names, resolve_cluster_
 from gpujobs.backends.base import NO_SCRIPT, Backend
 from gpujobs.backends.container_words import SRUN_OPTIONS
 from gpujobs.base.errors import ConfigError, SubmitError
+from gpujobs.base.hostname import loopback_hostname
 from gpujobs.config.load import JobConfig
 from gpujobs.config.memory import MemoryPlan
 from gpujobs.config.modes import Runtime
@@ -73,7 +74,23 @@ def preflight(job: JobConfig, cache: Optional[dict[Any, Any]] = None) -> Optiona
         check_data(job)
     _check_replay(job)
     backend.preflight(job, cache)
+    warn_loopback(job)
     return plan
+
+
+def warn_loopback(job: JobConfig) -> Optional[str]:
+    """Warn (stderr; the warning is returned) where ranks of several nodes would leave gloo to the hostname and
+    this node's resolves to loopback: a cluster's nodes are often set up alike, and there ranks never meet."""
+    if job.resources.nodes < 2 or job.nccl.gloo_socket_ifname is not None or job.nccl.socket_ifname is not None:
+        return None
+    loopback = loopback_hostname()
+    if loopback is None:
+        return None
+    warning = (f"gpujobs: warning: {loopback}: where the nodes' hostnames resolve so too, gloo (which carries the "
+               "ranks' first collective, on GPUs as well) listens on loopback and ranks of two nodes never meet; "
+               "set nccl.socket_ifname (or nccl.gloo_socket_ifname) to the nodes' interface")
+    print(warning, file=sys.stderr)
+    return warning
 
 
 def _check_container(job: JobConfig, backend: Backend) -> None:
