@@ -362,8 +362,10 @@ def nccl_run(m: Machine) -> str:
     attempt = attempts(run_dir)[-1]
     need(attempt["reason"] == "completed" and attempt["health_s"] > 0, attempt)
     need("health: all-reduce bus bandwidth" in logs and checked in logs, "the health check's outcome is not logged")
-    samples = [json.loads(line) for line in (run_dir / "gpu.jsonl").read_text().splitlines()]
-    need(bool(samples), "gpu.jsonl is empty")
+    from gpujobs.rundir.gpu_files import read_gpu_samples
+
+    samples = read_gpu_samples(run_dir)
+    need(bool(samples), "no GPU samples (gpu.<node>.jsonl)")
     need({s["rank"] for s in samples} == set(range(ranks)), {s["rank"] for s in samples})
     need(max(s.get("util_pct", 0) for s in samples) > 0, "GPU utilization never above 0")
     need(min(s["mem_used_mib"] for s in samples) > 0 and all(s["mem_total_mib"] > 0 for s in samples), samples[0])
@@ -422,7 +424,9 @@ def uuid_visible_devices(m: Machine) -> str:
                  "telemetry.interval_s=0.2", env={"CUDA_VISIBLE_DEVICES": uuid})
     result = run.completed()
     need([(r["cuda_visible_devices"], r["gpu_uuid"]) for r in result["ranks"]] == [(uuid, uuid)], result["ranks"])
-    samples = [json.loads(line) for line in (run.dir / "gpu.jsonl").read_text().splitlines()]
+    from gpujobs.rundir.gpu_files import read_gpu_samples
+
+    samples = read_gpu_samples(run.dir)
     need(bool(samples) and {(s["gpu"], s["uuid"], s["rank"]) for s in samples} == {(index, uuid, 0)}, samples[:3])
     health = run.metrics("health")
     need(bool(health) and health[0]["nvml"][0].endswith("1 GPU checked"), health)
