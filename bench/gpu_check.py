@@ -21,6 +21,7 @@ process of its own. This driver stays torch-free until a check needs to read a c
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -153,10 +154,22 @@ def run_child(m: Machine, cmd: list[str], timeout_s: float, what: str, *, env: O
     except subprocess.TimeoutExpired as err:
         raise CheckFailed(f"{what} took over {m.budget.left(timeout_s):.0f} s") from err
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        end(proc)
     return proc.returncode, out or ""
+
+
+def end(proc: subprocess.Popen[Any]) -> None:
+    """Kill `proc` (a session leader) if it still runs, with its process group and every process below it
+    (one that left the group too), and reap it."""
+    if proc.poll() is not None:
+        return
+    from gpujobs.attempt.evidence import descendants, kill_tree
+
+    below = descendants(proc.pid)  # before the kill: orphans leave the tree
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    kill_tree([*below, proc.pid])
+    proc.wait()
 
 
 def submit(m: Machine, run_dir: Path, *overrides: str, env: dict[str, str] | None = None,
@@ -327,9 +340,7 @@ def nccl_run(m: Machine) -> str:
                         pass
                 time.sleep(0.5)
         finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            end(proc)
     run = Run(run_dir, proc.returncode, (run_dir.parent / "run.out").read_text())
     result = run.completed()
     need(result["world_size"] == ranks, result)
