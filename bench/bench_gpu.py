@@ -1,13 +1,16 @@
 """GPU throughput of the gpujobs Trainer against a plain loop, side by side in one invocation (needs CUDA).
 
-    python bench/bench_gpu.py [--steps 300] [--rounds 3] [overrides...]
+    python bench/bench_gpu.py [--steps 300] [--rounds 3] [--json FILE] [--setting NAME] [overrides...]
 
 The CUDA sibling of bench_trainer.py: one rank on one GPU, the same autocast in both loops (the trainer's
 `amp=auto`: bf16 from compute capability 8.0, else fp32), the rec experiment, rounds alternating a, b, b,
 a…; the median ratio of samples/s is reported. Both loops run DDP in a one-rank process group as a job's
 (`cpu:gloo,cuda:nccl`, forced by GPUJOBS_FORCE_PROCESS_GROUP), so the trainer's side pays for what a job's
 does on a GPU: NCCL all-reduces and the compute clock's communication hook (`--no-ddp`: no group, no DDP).
-Exits 3 with one line where there is no CUDA GPU.
+`--setting NAME` (a name of `gpujobs.rank.step_settings.DEFAULTS`) runs the trainer twice instead, with the
+setting as it is and flipped, and reports their ratio. The figures go to stdout as JSON, or to `--json FILE`
+alone (the GPU check's way: NCCL's own lines on stdout cannot break it). Exits 3 with one line where there
+is no CUDA GPU.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import checkout  # noqa: F401  (first: the checkout on the path, before gpujobs)
 import torch
 import torch.distributed as dist
 from bench_trainer import job_config
@@ -34,6 +38,7 @@ from gpujobs.rank.distributed import FORCE_GROUP_ENV, destroy_process_group, ini
 from gpujobs.rank.metrics import MetricsLog
 from gpujobs.rank.precision import autocast_dtype
 from gpujobs.rank.rng import seed_everything
+from gpujobs.rank.step_settings import DEFAULTS, SETTINGS_ENV
 from gpujobs.rank.train import load_task_builder
 from gpujobs.rank.trainer import Trainer
 
@@ -44,7 +49,8 @@ def run(kind: str, job: JobConfig) -> float:
     device = torch.device("cuda", 0)
     seed_everything(job.trainer.seed)
     task = load_task_builder(job.task)(job.model, job.data, 1, job.trainer.grad_accum)
-    if kind == "gpujobs":
+    if kind != "plain":  # the trainer, as it is ("gpujobs") or with a setting flipped ("NAME=0|1")
+        os.environ[SETTINGS_ENV] = "" if kind == "gpujobs" else kind
         info = INFO
         with tempfile.TemporaryDirectory() as tmp:
             trainer = Trainer(job, info, device, task, CheckpointManager(Path(tmp), 0, 1, 0), MetricsLog(None))
@@ -72,6 +78,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--no-ddp", dest="ddp", action="store_false", help="one rank without a process group")
+    parser.add_argument("--json", type=Path, help="write the figures here, not to stdout")
+    parser.add_argument("--setting", choices=sorted(DEFAULTS), help="the trainer with this setting flipped, not "
+                        "the plain loop, against the trainer as it is")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -84,21 +93,32 @@ def main() -> None:
     if args.ddp:
         os.environ[FORCE_GROUP_ENV] = "1"
         init_process_group(dataclasses.replace(INFO, master_port=free_port()), job.nccl, 120)
-    rates: dict[str, list[float]] = {"gpujobs": [], "plain": []}
+    other = "plain" if args.setting is None else f"{args.setting}={int(not DEFAULTS[args.setting])}"
+    rates: dict[str, list[float]] = {"gpujobs": [], other: []}
     run("plain", job)  # warm-up: CUDA context, kernels, allocator
     for round_ in range(args.rounds):
-        for kind in ("gpujobs", "plain") if round_ % 2 == 0 else ("plain", "gpujobs"):
+        for kind in ("gpujobs", other) if round_ % 2 == 0 else (other, "gpujobs"):
             rates[kind].append(run(kind, job))
             print(f"round {round_}: {kind:8s} {rates[kind][-1]:12.0f} samples/s", file=sys.stderr)
-    ratios = [a / b for a, b in zip(rates["gpujobs"], rates["plain"], strict=True)]
-    print(json.dumps({
+    ratios = [a / b for a, b in zip(rates["gpujobs"], rates[other], strict=True)]
+    figures: dict[str, object] = {
         "device": torch.cuda.get_device_name(0),
         "steps": args.steps,
         "ddp": args.ddp,
         "trainer_samples_per_s": round(statistics.median(rates["gpujobs"]), 1),
-        "plain_samples_per_s": round(statistics.median(rates["plain"]), 1),
-        "trainer_vs_plain": round(statistics.median(ratios), 3),
-    }, indent=2))
+    }
+    if args.setting is None:
+        figures.update(plain_samples_per_s=round(statistics.median(rates["plain"]), 1),
+                       trainer_vs_plain=round(statistics.median(ratios), 3))
+    else:
+        figures.update(setting=args.setting, default=DEFAULTS[args.setting],
+                       flipped_samples_per_s=round(statistics.median(rates[other]), 1),
+                       default_vs_flipped=round(statistics.median(ratios), 3))
+    text = json.dumps(figures, indent=2)
+    if args.json is None:
+        print(text)
+    else:
+        args.json.write_text(text + "\n")
     if args.ddp:
         destroy_process_group()
 

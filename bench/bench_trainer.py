@@ -31,6 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import checkout  # noqa: F401  (first: the checkout on the path, before gpujobs)
 import torch
 import torch.multiprocessing as mp
 from hydra import compose, initialize_config_dir
@@ -66,7 +67,7 @@ def job_config(steps: int, overrides: list[str]) -> JobConfig:
 
 def join_as_rank(rank: int, job: JobConfig, port: int) -> tuple[DistInfo, Any]:
     """In a spawned bench process: join the gloo group as `rank` and build the job's task."""
-    torch.set_num_threads(job.resources.cpus_per_task)
+    torch.set_num_threads(job.resources.cpus)
     info = DistInfo(rank, rank, WORLD, WORLD, "127.0.0.1", port, "bench")
     init_process_group(info, job.nccl, 120)
     seed_everything(job.trainer.seed)

@@ -1,12 +1,18 @@
 """The one-GPU check of gpujobs (issue 25), run by `bench/gpu_check.sh`: as much as one GPU shows, within 10 min.
 
-    python bench/gpu_check.py [overrides...]
+    python bench/gpu_check.py [--deadline SECONDS] [--table FILE] [--only NAME,...] [overrides...]
 
 Each check says whether it needs a GPU. Without one, every check that can run on the CPU runs there, on
 the same code path (device cpu, group gloo); only what truly needs a GPU (NVML, NCCL, bf16, pinned memory,
 CUDA streams, CUDA_VISIBLE_DEVICES=GPU-<uuid>) is skipped, and each skip is named. It ends with one table
 (check, needs GPU, result, key figure) that a note can quote, and exits 0 when every check ran and passed,
-3 when all that ran passed but GPU checks were skipped (no GPU here), 1 on any failure.
+3 when all that ran passed but GPU checks were skipped (no GPU here), 4 when all that ran passed but the
+deadline left some unrun, 1 on any failure.
+
+A deadline (`--deadline`, 540 s) holds for the whole check, and each check runs within its own budget (its
+`budget_s`, at most what is left): a check over it is stopped, its processes killed, and its row says so. Each
+row is printed, and the table file (`--table`, else `table.txt` in the check's folder) rewritten, as a check
+ends, so a hang, or the node taken away, costs one row; rows not reached say so.
 
 The checks that need CUDA inside the driver's own process live in `gpu_check_cuda.py`, each run in a
 process of its own. This driver stays torch-free until a check needs to read a checkpoint.
@@ -14,7 +20,10 @@ process of its own. This driver stays torch-free until a check needs to read a c
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import json
+import math
 import os
 import re
 import signal
@@ -24,22 +33,45 @@ import tempfile
 import time
 import traceback
 import urllib.request
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from types import FrameType
+from typing import Any, Optional
+
+from checkout import REPO  # first: the checkout (and tests/) on the path, before gpujobs
+from jobctl import RunningJob, attempts  # the operator's handle on a running job, shared with the tests
 
 from gpujobs.config.nccl import GLOO_ON_CUDA_ENV
-
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))  # the operator's handle on a running job, shared with the tests
-from jobctl import RunningJob, attempts  # noqa: E402
 
 #: A small run on either device: the rec experiment at test sizes, cheap enough for ten runs in the budget.
 TINY = ("+experiment=rec", "+debug=tiny", "cluster=local", "trainer.progress=false")
 
 #: A GPU check's exit code where there is nothing to check (the same as the script's "no GPU").
 NO_GPU = 3
+#: The exit code where all that ran passed but the deadline left checks unrun.
+NOT_ALL_RUN = 4
+#: The whole check's default deadline in seconds: within the 10 minutes a device is lent for one command.
+DEADLINE_S = 540
+#: A check is started only with at least this many seconds left (else its row says it was not reached).
+LEAST_S = 10
+
+
+class CheckTimedOut(BaseException):
+    """A check's budget is spent (raised by the timer's signal wherever the check is; BaseException: no
+    check's own `except Exception` keeps it going)."""
+
+
+@dataclass
+class Budget:
+    """When the running check must be over (`time.monotonic()`)."""
+
+    ends: float = math.inf
+
+    def left(self, limit: float) -> float:
+        """Seconds a step of the check may take: `limit`, at most what the budget has left (at least 1)."""
+        return max(1.0, min(limit, self.ends - time.monotonic()))
 
 
 class CheckFailed(Exception):
@@ -66,6 +98,8 @@ class Machine:
     """A fresh folder: every run dir of the check is inside it."""
     overrides: tuple[str, ...]
     """The user's overrides, given to every run."""
+    budget: Budget = field(default_factory=Budget)
+    """The running check's budget: every process it starts waits at most what is left of it."""
 
     @property
     def cuda(self) -> bool:
@@ -108,31 +142,53 @@ class Run:
         return result
 
 
+def run_child(m: Machine, cmd: list[str], timeout_s: float, what: str, *, env: Optional[dict[str, str]] = None,
+              stdout: int = subprocess.PIPE, stderr: Optional[int] = subprocess.STDOUT) -> tuple[int, str]:
+    """`cmd` to its end in a session of its own, within `timeout_s` and the check's budget; its exit code and
+    output. Over time, or on the budget's signal, its whole process group is killed (the ranks a submit
+    started included), so a hung child costs its check and nothing more."""
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=stdout, stderr=stderr, text=True, start_new_session=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+    try:
+        out, _ = proc.communicate(timeout=m.budget.left(timeout_s))
+    except subprocess.TimeoutExpired as err:
+        raise CheckFailed(f"{what} took over {m.budget.left(timeout_s):.0f} s") from err
+    finally:
+        end(proc)
+    return proc.returncode, out or ""
+
+
+def end(proc: subprocess.Popen[Any]) -> None:
+    """Kill `proc` (a session leader) if it still runs, with its process group and every process below it
+    (one that left the group too), and reap it."""
+    if proc.poll() is not None:
+        return
+    from gpujobs.attempt.evidence import descendants, kill_tree
+
+    below = descendants(proc.pid)  # before the kill: orphans leave the tree
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    kill_tree([*below, proc.pid])
+    proc.wait()
+
+
 def submit(m: Machine, run_dir: Path, *overrides: str, env: dict[str, str] | None = None,
            timeout_s: float = 240) -> Run:
     """`python -m gpujobs.submit` to the end, its output kept beside the run dir."""
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "gpujobs.submit", f"hydra.run.dir={run_dir}", *overrides, *m.overrides]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=REPO,
-                              env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
-    except subprocess.TimeoutExpired as err:
-        raise CheckFailed(f"the run in {run_dir} took over {timeout_s:.0f} s") from err
-    output = proc.stdout + proc.stderr
+    code, output = run_child(m, cmd, timeout_s, f"the run in {run_dir}", env=env)
     (run_dir.parent / f"{run_dir.name}.out").write_text(output)
-    return Run(run_dir, proc.returncode, output)
+    return Run(run_dir, code, output)
 
 
-def cuda_child(name: str, timeout_s: float = 300) -> str:
+def cuda_child(m: Machine, name: str, timeout_s: float = 300) -> str:
     """Run check `name` of gpu_check_cuda.py in a process of its own; its last line is the key figure."""
-    cmd = [sys.executable, str(REPO / "bench" / "gpu_check_cuda.py"), name]
-    try:
-        proc = subprocess.run(cmd, cwd=REPO, timeout=timeout_s, stdout=subprocess.PIPE, text=True)
-    except subprocess.TimeoutExpired as err:
-        raise CheckFailed(f"{name} took over {timeout_s:.0f} s") from err
-    print(proc.stdout, end="")
-    lines = proc.stdout.strip().splitlines()
-    need(proc.returncode == 0, f"exit {proc.returncode}: {lines[-1] if lines else 'no output'}")
+    code, out = run_child(m, [sys.executable, str(REPO / "bench" / "gpu_check_cuda.py"), name], timeout_s, name,
+                          stderr=None)  # its tracebacks straight to the log
+    print(out, end="")
+    lines = out.strip().splitlines()
+    need(code == 0, f"exit {code}: {lines[-1] if lines else 'no output'}")
     return lines[-1] if lines else ""
 
 
@@ -174,9 +230,9 @@ def usr2_save_resume(m: Machine) -> str:
                      "checkpoint.every_steps=0", "telemetry.debug_slow_rank=0", "telemetry.debug_slow_ms=20",
                      *m.overrides)
     try:
-        job.wait_for_step(15, timeout=180)
+        job.wait_for_step(15, timeout=m.budget.left(180))
         os.kill(job.proc.pid, signal.SIGUSR2)
-        code = job.wait(timeout=240)
+        code = job.wait(timeout=m.budget.left(240))
     finally:
         job.kill()
     need(code == 0, f"exit {code}: {job.output()[-1500:]}")
@@ -251,7 +307,7 @@ def two_ranks_one_device(m: Machine) -> str:
 
 # ---------------------------------------------------------------- checks that need a GPU
 def nvml_health(m: Machine) -> str:
-    return cuda_child("nvml_health")
+    return cuda_child(m, "nvml_health")
 
 
 def nccl_run(m: Machine) -> str:
@@ -270,19 +326,21 @@ def nccl_run(m: Machine) -> str:
     with open(run_dir.parent / "run.out", "w") as out:
         proc = subprocess.Popen(cmd, start_new_session=True, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
                                 env={**os.environ, "GPUJOBS_FORCE_PROCESS_GROUP": "1"})
-        deadline, scrape = time.monotonic() + 300, ""
-        while proc.poll() is None:
-            if time.monotonic() > deadline:
-                os.killpg(proc.pid, signal.SIGKILL)
-                raise CheckFailed("the run took over 300 s")
-            info = run_dir / "prometheus.json"
-            if info.exists():
-                try:
-                    with urllib.request.urlopen(json.loads(info.read_text())["url"], timeout=2) as response:
-                        scrape = response.read().decode()
-                except (OSError, ValueError):  # not up yet, or closed between two polls
-                    pass
-            time.sleep(0.5)
+        deadline, scrape = time.monotonic() + m.budget.left(300), ""
+        try:
+            while proc.poll() is None:
+                if time.monotonic() > deadline:
+                    raise CheckFailed("the run took over its budget")
+                info = run_dir / "prometheus.json"
+                if info.exists():
+                    try:
+                        with urllib.request.urlopen(json.loads(info.read_text())["url"], timeout=2) as response:
+                            scrape = response.read().decode()
+                    except (OSError, ValueError):  # not up yet, or closed between two polls
+                        pass
+                time.sleep(0.5)
+        finally:
+            end(proc)
     run = Run(run_dir, proc.returncode, (run_dir.parent / "run.out").read_text())
     result = run.completed()
     need(result["world_size"] == ranks, result)
@@ -315,8 +373,10 @@ def nccl_run(m: Machine) -> str:
     attempt = attempts(run_dir)[-1]
     need(attempt["reason"] == "completed" and attempt["health_s"] > 0, attempt)
     need("health: all-reduce bus bandwidth" in logs and checked in logs, "the health check's outcome is not logged")
-    samples = [json.loads(line) for line in (run_dir / "gpu.jsonl").read_text().splitlines()]
-    need(bool(samples), "gpu.jsonl is empty")
+    from gpujobs.rundir.gpu_files import read_gpu_samples
+
+    samples = read_gpu_samples(run_dir)
+    need(bool(samples), "no GPU samples (gpu.<node>.jsonl)")
     need({s["rank"] for s in samples} == set(range(ranks)), {s["rank"] for s in samples})
     need(max(s.get("util_pct", 0) for s in samples) > 0, "GPU utilization never above 0")
     need(min(s["mem_used_mib"] for s in samples) > 0 and all(s["mem_total_mib"] > 0 for s in samples), samples[0])
@@ -324,22 +384,22 @@ def nccl_run(m: Machine) -> str:
     need(json.loads((run_dir / "prometheus.json").read_text())["addr"] == "127.0.0.1", "Prometheus not on 127.0.0.1")
     need('gpujobs_step{job="rec"}' in scrape and "gpujobs_gpu_utilization_percent{" in scrape,
          "the Prometheus endpoint did not serve job and GPU series")
-    report = subprocess.run([sys.executable, "-m", "gpujobs.report", str(run_dir)], cwd=REPO, check=False)
-    need(report.returncode == 0 and (run_dir / "report" / "gpu.png").stat().st_size > 0, "the report drew no gpu.png")
+    report, _ = run_child(m, [sys.executable, "-m", "gpujobs.report", str(run_dir)], 120, "the report")
+    need(report == 0 and (run_dir / "report" / "gpu.png").stat().st_size > 0, "the report drew no gpu.png")
     return (f"{ranks} rank(s): {result['samples_per_s']} samples/s, auc {result['auc']}, max util "
             f"{max(s.get('util_pct', 0) for s in samples)}%, health {health[0]['health_s']} s")
 
 
 def flight_recorder(m: Machine) -> str:
-    return cuda_child("flight_recorder")
+    return cuda_child(m, "flight_recorder")
 
 
 def cuda_paths(m: Machine) -> str:
-    return cuda_child("cuda_paths")
+    return cuda_child(m, "cuda_paths")
 
 
 def compute_clock(m: Machine) -> str:
-    return cuda_child("compute_clock")
+    return cuda_child(m, "compute_clock")
 
 
 def nccl_two_ranks_one_gpu(m: Machine) -> str:
@@ -364,18 +424,20 @@ def uuid_visible_devices(m: Machine) -> str:
 
     with nvml_session() as nv:
         nvml = [(g.index, g.uuid) for g in visible_gpus(nv)]
-    order = subprocess.run(
-        [sys.executable, "-c", "import torch; from gpujobs.base.nvml import rank_gpu_uuid as u; "
-         "print(*[u(str(torch.cuda.get_device_properties(i).uuid)) for i in range(torch.cuda.device_count())])"],
-        capture_output=True, text=True, check=False, env={**os.environ, **CUDA_ORDER_ENV})
-    need(order.stdout.split() == [uuid for _, uuid in nvml],
-         f"torch's devices {order.stdout.split()} are not NVML's, in order: {nvml} {order.stderr[-500:]}")
+    _, order = run_child(
+        m, [sys.executable, "-c", "import torch; from gpujobs.base.nvml import rank_gpu_uuid as u; "
+            "print(*[u(str(torch.cuda.get_device_properties(i).uuid)) for i in range(torch.cuda.device_count())])"],
+        60, "torch's device list", env=CUDA_ORDER_ENV, stderr=subprocess.DEVNULL)
+    need(order.split() == [uuid for _, uuid in nvml],
+         f"torch's devices are not NVML's, in order: {nvml}: {order[-500:]}")
     index, uuid = nvml[-1]
     run = submit(m, m.work / "uuid" / "run", *TINY, *gpu_ranks(1), "cluster.health_check=true",
                  "telemetry.interval_s=0.2", env={"CUDA_VISIBLE_DEVICES": uuid})
     result = run.completed()
     need([(r["cuda_visible_devices"], r["gpu_uuid"]) for r in result["ranks"]] == [(uuid, uuid)], result["ranks"])
-    samples = [json.loads(line) for line in (run.dir / "gpu.jsonl").read_text().splitlines()]
+    from gpujobs.rundir.gpu_files import read_gpu_samples
+
+    samples = read_gpu_samples(run.dir)
     need(bool(samples) and {(s["gpu"], s["uuid"], s["rank"]) for s in samples} == {(index, uuid, 0)}, samples[:3])
     health = run.metrics("health")
     need(bool(health) and health[0]["nvml"][0].endswith("1 GPU checked"), health)
@@ -414,20 +476,47 @@ def straggler_two_gpus(m: Machine) -> str:
     return f"rank 1 named at {len(warnings)} log steps, imbalance {min(r['imbalance'] for r in late)}+"
 
 
+def bench(m: Machine, *args: str) -> dict[str, Any]:
+    """bench_gpu.py's figures, from a file of their own (NCCL's lines on its stdout cannot break them)."""
+    out = Path(tempfile.mkdtemp(dir=m.work, prefix="bench_gpu.")) / "figures.json"
+    cmd = [sys.executable, str(REPO / "bench" / "bench_gpu.py"), "--steps", "300", "--rounds", "3", "--json",
+           str(out), *args]
+    code, output = run_child(m, cmd, 300, "bench_gpu.py")
+    print(output, end="")
+    need(code == 0, f"exit {code}: {output[-500:]}")
+    figures = dict(json.loads(out.read_text()))
+    need(figures["ddp"] is True, figures)
+    return figures
+
+
 def bench_gpu(m: Machine) -> str:
     """Samples/s of the gpujobs Trainer against a plain loop on one GPU, both DDP in a one-rank NCCL group."""
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "bench_gpu.py"), "--steps", "300", "--rounds", "3"],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
-    print(proc.stderr, end="")
-    need(proc.returncode == 0, f"exit {proc.returncode}: {proc.stderr[-500:]}")
-    figures = json.loads(proc.stdout)
-    need(figures["ddp"] is True, figures)
+    figures = bench(m)
     return f"DDP + hook: trainer/plain {figures['trainer_vs_plain']} ({figures['trainer_samples_per_s']:.0f} samples/s)"
+
+
+def step_setting_check(name: str) -> Callable[[Machine], str]:
+    """A check of the step setting `name` (`gpujobs.rank.step_settings`): the trainer's samples/s with the
+    setting as it is against flipped; it fails where the default is slower by more than the noise (2%), so
+    that the first GPU node decides each default."""
+
+    def check(m: Machine) -> str:
+        figures = bench(m, "--setting", name)
+        ratio, default = figures["default_vs_flipped"], "on" if figures["default"] else "off"
+        flipped = "off" if figures["default"] else "on"
+        figure = (f"{name} {default} (default) / {flipped}: {ratio} "
+                  f"({figures['trainer_samples_per_s']:.0f} / {figures['flipped_samples_per_s']:.0f} samples/s)")
+        need(ratio >= 0.98, f"{figure}: the default is slower, turn it {flipped} in gpujobs/rank/step_settings.py")
+        return figure
+
+    check.__name__ = f"step_setting_{name}"
+    return check
 
 
 @dataclass(frozen=True)
 class Check:
-    """One check: what it is called, what it needs of the machine, and its body (which returns a key figure)."""
+    """One check: what it is called, what it needs of the machine, its budget, and its body (which returns a key
+    figure)."""
 
     name: str
     run: Callable[[Machine], str]
@@ -435,6 +524,8 @@ class Check:
     """What only a GPU gives this check ("": it runs on the CPU too)."""
     gpus: int = 0
     """The GPUs it needs (1 where `needs` says why, 2 for a two-GPU check)."""
+    budget_s: float = 60
+    """The most seconds it may take (on a GPU node; the deadline may leave it less)."""
 
     def skip_reason(self, m: Machine) -> str:
         """Why this check cannot run here ("": it can)."""
@@ -443,20 +534,24 @@ class Check:
         return f"needs {self.gpus} GPUs ({self.needs})" if m.cuda else f"needs a GPU ({self.needs})"
 
 
+#: The GPU checks first: where the deadline bites, what only a GPU shows has run. The budgets add up to more
+#: than the default deadline only by the checks a one-GPU node skips (the two-GPU one).
 CHECKS = (
-    Check("resume in place, grad_accum=2", resume_in_place),
-    Check("USR2 -> sync save -> resume", usr2_save_resume),
-    Check("live hang, evidence kept", live_hang),
-    Check("2 ranks on 1 device, resume 2->1", two_ranks_one_device),
-    Check("NVML health of every GPU", nvml_health, "real NVML", 1),
-    Check("NCCL run: telemetry, health, report", nccl_run, "NCCL, NVML, bf16", 1),
-    Check("NCCL flight recorder dump", flight_recorder, "NCCL", 1),
-    Check("CUDA resume, RNG, amp, pinned", cuda_paths, "CUDA memory, CUDA RNG, bf16, pinned memory", 1),
-    Check("compute clock vs host clock", compute_clock, "CUDA events and streams", 1),
-    Check("2 NCCL ranks on 1 GPU refused", nccl_two_ranks_one_gpu, "NCCL", 1),
-    Check("CUDA_VISIBLE_DEVICES=GPU-<uuid>", uuid_visible_devices, "a GPU's UUID", 1),
-    Check("straggler named under NCCL", straggler_two_gpus, "NCCL between two GPUs", 2),
-    Check("bench_gpu.py: trainer vs plain", bench_gpu, "CUDA throughput", 1),
+    Check("NVML health of every GPU", nvml_health, "real NVML", 1, 20),
+    Check("compute clock vs host clock", compute_clock, "CUDA events and streams", 1, 30),
+    Check("NCCL run: telemetry, health, report", nccl_run, "NCCL, NVML, bf16", 1, 90),
+    Check("NCCL flight recorder dump", flight_recorder, "NCCL", 1, 30),
+    Check("CUDA resume, RNG, amp, pinned", cuda_paths, "CUDA memory, CUDA RNG, bf16, pinned memory", 1, 45),
+    Check("2 NCCL ranks on 1 GPU refused", nccl_two_ranks_one_gpu, "NCCL", 1, 60),
+    Check("CUDA_VISIBLE_DEVICES=GPU-<uuid>", uuid_visible_devices, "a GPU's UUID", 1, 45),
+    Check("straggler named under NCCL", straggler_two_gpus, "NCCL between two GPUs", 2, 60),
+    Check("bench_gpu.py: trainer vs plain", bench_gpu, "CUDA throughput", 1, 45),
+    *(Check(f"bench_gpu.py: {name}", step_setting_check(name), "CUDA throughput", 1, 30)
+      for name in ("gradient_as_bucket_view", "fused_adam", "static_graph")),
+    Check("resume in place, grad_accum=2", resume_in_place, budget_s=45),
+    Check("USR2 -> sync save -> resume", usr2_save_resume, budget_s=40),
+    Check("live hang, evidence kept", live_hang, budget_s=40),
+    Check("2 ranks on 1 device, resume 2->1", two_ranks_one_device, budget_s=60),
 )
 
 
@@ -469,7 +564,7 @@ def this_machine(work: Path, overrides: tuple[str, ...]) -> Machine:
     if gpus == 0:
         return Machine(0, "NVML sees no NVIDIA GPU here", "", work, overrides)
     probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.is_available())"],
-                           capture_output=True, text=True, check=False)
+                           capture_output=True, text=True, check=False, timeout=120)
     if probe.stdout.strip() != "True":
         return Machine(0, f"NVML sees {gpus} GPU(s) but torch has no CUDA: install its CUDA build (README)", "",
                        work, overrides)
@@ -481,41 +576,134 @@ def this_machine(work: Path, overrides: tuple[str, ...]) -> Machine:
     return Machine(gpus, "", uuid, work, overrides)
 
 
-def run_checks(m: Machine, checks: tuple[Check, ...]) -> int:
-    """Run every check `m` allows, print the summary table; the exit code: 0 every check ran and passed,
-    3 (`NO_GPU`) all that ran passed but GPU checks were skipped, 1 a check failed."""
+@dataclass
+class Row:
+    """A check's line of the table."""
+
+    check: Check
+    outcome: str = "not reached"
+    """passed, FAILED, TIMEOUT, skipped (no GPU), n/a (more GPUs than here), not run (the deadline)."""
+    figure: str = ""
+
+
+class Table:
+    """The summary table, printed row by row and kept whole in a file, rewritten as each row ends."""
+
+    def __init__(self, checks: tuple[Check, ...], path: Path, title: str) -> None:
+        self.rows = [Row(c) for c in checks]
+        self.path, self.title = path, title
+        self.width = max((len(c.name) for c in checks), default=5)
+
+    def line(self, row: Row) -> str:
+        return f"{row.check.name:{self.width}}  {'yes' if row.check.gpus else 'no':9}  {row.outcome:7}  {row.figure}"
+
+    def text(self) -> str:
+        head = f"{'check':{self.width}}  {'needs GPU':9}  {'result':7}  key figure"
+        return "\n".join([self.title, head, *map(self.line, self.rows)]) + "\n"
+
+    def end(self, row: Row, outcome: str, figure: str) -> None:
+        """`row` is over: print it, rewrite the file (a temporary file renamed: never half a table)."""
+        row.outcome, row.figure = outcome, figure
+        print(f"row: {self.line(row)}", flush=True)
+        self.save()
+
+    def save(self) -> None:
+        temp = self.path.with_name(f".{self.path.name}.tmp")
+        temp.write_text(self.text())
+        temp.replace(self.path)
+
+
+@contextmanager
+def budget(m: Machine, seconds: float) -> Iterator[None]:
+    """Within `seconds`: a timer's signal then raises `CheckTimedOut` wherever the check is (waiting on a
+    child, which `run_child` then kills with its group)."""
+
+    def expired(signum: int, frame: Optional[FrameType]) -> None:
+        raise CheckTimedOut
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    m.budget.ends = time.monotonic() + seconds
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        m.budget.ends = math.inf
+
+
+def run_checks(m: Machine, checks: tuple[Check, ...], deadline_s: float = DEADLINE_S,
+               table_path: Optional[Path] = None) -> int:
+    """Run every check `m` allows within `deadline_s`, each within its budget, a row printed and the table file
+    (`table_path`, else table.txt in `m.work`) rewritten as each ends; the exit code: 0 every check ran and
+    passed, 3 (`NO_GPU`) all that ran passed but GPU checks were skipped, 4 (`NOT_ALL_RUN`) all that ran passed
+    but the deadline left some unrun, 1 a check failed or ran out of its budget."""
     started = time.monotonic()
-    print(f"gpu_check: {m.gpus} GPU(s){'' if m.cuda else ': ' + m.why_no_gpu}; runs in {m.work}", flush=True)
-    rows: list[tuple[Check, str, str]] = []
-    for check in checks:
+    ends = started + deadline_s
+    path = table_path or m.work / "table.txt"
+    table = Table(checks, path, f"gpu_check summary ({m.gpus} GPU(s), deadline {deadline_s:.0f} s)")
+    print(f"gpu_check: {m.gpus} GPU(s){'' if m.cuda else ': ' + m.why_no_gpu}; runs in {m.work}; "
+          f"deadline {deadline_s:.0f} s; the table in {path}", flush=True)
+    table.save()
+    for row in table.rows:
+        check = row.check
         skip = check.skip_reason(m)
         if skip:
             # no GPU: skipped, the exit code says so; a check of more GPUs than a GPU machine has: not applicable
-            rows.append((check, "n/a" if m.cuda else "skipped", skip))
+            table.end(row, "n/a" if m.cuda else "skipped", skip)
             continue
-        print(f"== {check.name}", flush=True)
+        left = ends - time.monotonic()
+        if left < LEAST_S:
+            table.end(row, "not run", f"the deadline ({deadline_s:.0f} s) was spent before it")
+            continue
+        seconds = min(check.budget_s, left)
+        print(f"== {check.name} (budget {seconds:.0f} s)", flush=True)
         began = time.monotonic()
         try:
-            figure = check.run(m)
+            with budget(m, seconds):
+                figure = check.run(m)
             outcome = "passed"
+        except CheckTimedOut:
+            outcome, figure = "TIMEOUT", f"stopped at its budget of {seconds:.0f} s"
         except Exception as err:  # a check's own bug fails that check, the others still run
             traceback.print_exc()
             outcome, figure = "FAILED", re.sub(r"\s+", " ", f"{type(err).__name__}: {err}")[:160]
-        print(f"{outcome} in {time.monotonic() - began:.0f} s: {figure}", flush=True)
-        rows.append((check, outcome, f"{figure} [{time.monotonic() - began:.0f} s]"))
-    print(f"\ngpu_check summary ({m.gpus} GPU(s), {time.monotonic() - started:.0f} s)")
-    width = max(len(c.name) for c in checks)
-    print(f"{'check':{width}}  {'needs GPU':9}  {'result':7}  key figure")
-    for check, outcome, figure in rows:
-        print(f"{check.name:{width}}  {'yes' if check.gpus else 'no':9}  {outcome:7}  {figure}")
-    outcomes = {outcome for _, outcome, _ in rows}
-    if "FAILED" in outcomes:
+        table.end(row, outcome, f"{figure} [{time.monotonic() - began:.0f} s]")
+    table.title = f"gpu_check summary ({m.gpus} GPU(s), {time.monotonic() - started:.0f} s of {deadline_s:.0f})"
+    table.save()
+    print(f"\n{table.text()}", end="")
+    outcomes = {row.outcome for row in table.rows}
+    if outcomes & {"FAILED", "TIMEOUT"}:
         return 1
+    if "not run" in outcomes:
+        print(f"gpu_check: the deadline left checks unrun (rerun them with --only); exit {NOT_ALL_RUN}")
+        return NOT_ALL_RUN
     if "skipped" in outcomes:
         print(f"gpu_check: no GPU to check ({m.why_no_gpu}): the GPU checks above were skipped; exit {NO_GPU}")
         return NO_GPU
     return 0
 
 
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--deadline", type=float, default=DEADLINE_S, metavar="SECONDS",
+                        help=f"for the whole check (default {DEADLINE_S})")
+    parser.add_argument("--table", type=Path, help="the table's file (default: table.txt in the check's folder)")
+    parser.add_argument("--only", help="comma-separated words: only the checks whose name holds one")
+    parser.add_argument("overrides", nargs="*", help="given to every run")
+    args = parser.parse_args(argv)
+    if args.deadline <= 0:
+        parser.error(f"--deadline {args.deadline}: a number of seconds above 0")
+    checks = CHECKS
+    if args.only is not None:
+        words = [w.strip() for w in args.only.split(",") if w.strip()]
+        checks = tuple(c for c in CHECKS if any(w in c.name for w in words))
+        if not checks:
+            parser.error(f"--only {args.only}: no check's name holds one of these; checks: "
+                         + "; ".join(c.name for c in CHECKS))
+    m = this_machine(Path(tempfile.mkdtemp(prefix="gpu_check.")), tuple(args.overrides))
+    return run_checks(m, checks, args.deadline, args.table)
+
+
 if __name__ == "__main__":
-    sys.exit(run_checks(this_machine(Path(tempfile.mkdtemp(prefix="gpu_check.")), tuple(sys.argv[1:])), CHECKS))
+    sys.exit(main(sys.argv[1:]))

@@ -191,7 +191,7 @@ def test_a_ledger_with_a_backward_span_and_wrongly_typed_lines_still_counts_the_
         {**train, "step": "6", "time": 1060.0, "step_time_s": [2.0]}, {**train, "step": 7, "time": 1070.0,
                                                                         "step_time_s": ["2.0"]}]))
     (point,) = cost_json(str(run_dir))["points"]
-    units = 2 * job.resources.cpus_per_task  # 2 CPU ranks
+    units = 2 * job.resources.cpus  # 2 CPU ranks
     assert point["seconds"] == 100.0 * units  # attempt 2 only
     backward, counted = point["segments"]
     assert (backward["attempt"], backward["seconds"], set(backward["parts"].values())) == (1, 0, {0})

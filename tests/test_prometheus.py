@@ -39,6 +39,7 @@ from gpujobs.base.errors import ConfigError
 from gpujobs.rank.observe.prometheus import FileSdTarget, PrometheusExporter
 from gpujobs.rank.observe.telemetry import Telemetry
 from gpujobs.rundir import GPU_FILE, PROMETHEUS_FILE
+from gpujobs.rundir.gpu_files import gpu_file
 from gpujobs.rundir.records import TrainRecord
 
 MONITORING = REPO / "monitoring"
@@ -333,12 +334,14 @@ def test_gpu_held_and_throttle_reasons_read_0_or_1_and_a_cleared_reason_reads_0(
 
 
 def test_rank_0_serves_the_gpus_of_every_node_from_their_samplers_file(tmp_path: Path) -> None:
-    """Each node's sampler appends to the run dir's gpu.jsonl; rank 0's endpoint follows it for the others."""
+    """Each node's sampler appends to its own gpu.<node>.jsonl; rank 0's endpoint follows the others' files, one
+    that appears later from its start."""
     job = compose_job("+experiment=rec", "+debug=tiny", "cluster=local", "telemetry.prometheus_port=0",
                       "telemetry.gpu=true", "telemetry.interval_s=0.2")
-    gpu_file = tmp_path / GPU_FILE
+    node2 = gpu_file(tmp_path, "node2")
     stale = {"node": "node2", "rank": 1, "gpu": 0, "uuid": "GPU-old", "util_pct": 5, "time": 1.0}
-    gpu_file.write_text(json.dumps(stale) + "\n")  # an earlier attempt's: not served
+    node2.write_text(json.dumps(stale) + "\n")  # an earlier attempt's: not served
+    (tmp_path / GPU_FILE).write_text(json.dumps({**stale, "uuid": "GPU-older"}) + "\n")  # an earlier version's
     info = DistInfo(rank=0, local_rank=0, world_size=2, local_world_size=1, master_addr="node1", master_port=1,
                     node="node1")
     ranks = [{"rank": 0, "local_rank": 0, "node": "node1"}, {"rank": 1, "local_rank": 0, "node": "node2"}]
@@ -346,21 +349,26 @@ def test_rank_0_serves_the_gpus_of_every_node_from_their_samplers_file(tmp_path:
     try:
         url = json.loads((tmp_path / PROMETHEUS_FILE).read_text())["url"]
         other = {"node": "node2", "rank": 1, "gpu": 0, "uuid": "GPU-n2", "util_pct": 77, "time": time.time()}
-        with open(gpu_file, "a") as handle:  # as node2's sampler writes a sample: one flushed write
-            handle.write(json.dumps(other) + "\n" + json.dumps({**other, "node": "node1", "uuid": "GPU-n1"}) + "\n")
+        with open(node2, "a") as handle:  # as node2's sampler writes a sample: one flushed write
+            handle.write(json.dumps(other) + "\n")
+        mine = {**other, "node": "node1", "rank": 0, "uuid": "GPU-n1"}
+        gpu_file(tmp_path, "node1").write_text(json.dumps(mine) + "\n")  # rank 0's own node's file
+        third = {**other, "node": "node3", "rank": 2, "uuid": "GPU-n3"}
+        gpu_file(tmp_path, "node3").write_text(json.dumps(third) + "\n")  # a node whose sampler began late
         deadline = time.monotonic() + 10
         while True:
             with urllib.request.urlopen(url, timeout=5) as response:
                 text = response.read().decode()
             served = {s.labels.get("uuid"): s for f in text_string_to_metric_families(text) for s in f.samples
                       if s.name == "gpujobs_gpu_utilization_percent"}
-            if "GPU-n2" in served or time.monotonic() > deadline:
+            if {"GPU-n2", "GPU-n3"} <= set(served) or time.monotonic() > deadline:
                 break
             time.sleep(0.1)
         assert "GPU-n2" in served, text
         assert served["GPU-n2"].labels["node"] == "node2" and served["GPU-n2"].labels["rank"] == "1"
         assert served["GPU-n2"].value == 77
-        assert "GPU-old" not in served  # written before this attempt began
+        assert "GPU-n3" in served, text
+        assert "GPU-old" not in served and "GPU-older" not in served  # written before this attempt began
         assert "GPU-n1" not in served  # rank 0's own node reaches the endpoint from its own sampler only
     finally:
         telemetry.close()

@@ -16,6 +16,7 @@ from fake_nvml import FakeGpu, install
 
 from gpujobs.cli.report import plan_history
 from gpujobs.rank.observe.gpu_sampler import GpuSampler
+from gpujobs.rundir.gpu_files import gpu_file
 from gpujobs.rundir.records import CheckpointRecord, PlanRecord, TrainRecord, read_metrics
 
 TINY = ("+experiment=rec", "+debug=tiny", "cluster=local")
@@ -39,17 +40,17 @@ def test_report_plots_a_real_run(run_dir: Path, monkeypatch: pytest.MonkeyPatch)
     assert "status completed, 12 steps, 2 ranks" in text
     assert "final eval: step=12, auc=" in text
     assert "throughput: median" in text and "imbalance" in text
-    assert "no gpu.jsonl" in text
+    assert "no gpu.<node>.jsonl" in text
     # the trainer's own plan and checkpoint records, read by the report
     assert "balance: off, 1 plan (0 updates); final shares from step 0: rank 0 0.500, rank 1 0.500" in text
     assert "checkpoints: 3 saves (0 async)" in text
 
     # The same run dir with GPU samples: the driver's answers are faked (no GPU here), the sampler is real.
     install(monkeypatch, [FakeGpu(util=70, used_gb=20), FakeGpu(util=40, used_gb=12)])
-    sampler = GpuSampler(run_dir / "gpu.jsonl", 0.02, "n1", {"GPU-fake-0": 0, "GPU-fake-1": 1})
+    sampler = GpuSampler(gpu_file(run_dir, "n1"), 0.02, "n1", {"GPU-fake-0": 0, "GPU-fake-1": 1})
     assert sampler.start()
     deadline = time.monotonic() + 30
-    samples = run_dir / "gpu.jsonl"
+    samples = gpu_file(run_dir, "n1")
     while not samples.exists() or len(samples.read_text().splitlines()) < 4:  # two samples of two GPUs
         assert time.monotonic() < deadline, "the sampler wrote no samples"
         time.sleep(0.02)

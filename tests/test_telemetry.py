@@ -27,6 +27,7 @@ from gpujobs.base.errors import ConfigError
 from gpujobs.rank.observe.prometheus import PrometheusExporter
 from gpujobs.rank.observe.straggler import Peer, StragglerCheck, imbalance
 from gpujobs.rundir import PROMETHEUS_FILE
+from gpujobs.rundir.gpu_files import gpu_files
 from gpujobs.rundir.records import TrainRecord
 
 TINY = ("+experiment=rec", "+debug=tiny", "cluster=local")
@@ -100,7 +101,7 @@ def test_straggler_is_named_in_metrics_and_logs(slow_run: SlowRun) -> None:
     # no NVML here: one line per node, and the job carried on
     all_logs = "".join(p.read_text() for p in (slow_run.run_dir / "submitit").glob("*_log.err"))
     assert all_logs.count("no NVML: GPU telemetry off") == 1
-    assert not (slow_run.run_dir / "gpu.jsonl").exists()
+    assert gpu_files(slow_run.run_dir) == []
 
 
 def test_a_rank_slow_in_its_backward_pass_is_the_straggler(tmp_path: Path) -> None:

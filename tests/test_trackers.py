@@ -292,7 +292,7 @@ def test_a_crash_after_a_checkpoint_and_a_restart_log_each_step_once(tmp_path: P
     logged = [line["step"] for line in read_metrics(run_dir) if line.get("kind") == "train"]
     assert logged.count(21) == 2  # the crashed attempt had logged past its checkpoint: step 21 was trained twice
     run = check_each_step_once(run_dir, store(tmp_path).split("=", 1)[1], 60, 3, 6)
-    # GPU readings: the node's sampler writes gpu.jsonl, rank 0's trackers log its newest reading per GPU
+    # GPU readings: the node's sampler writes gpu.<node>.jsonl, rank 0's trackers log its newest reading per GPU
     gpu = [key for key in run.data.metrics if key.startswith("gpu/") and key.endswith("/util_pct")]
     assert len(gpu) == 2 and sorted(run.data.metrics[key] for key in gpu) == [30.0, 70.0], run.data.metrics
     assert tensorboard_steps(run_dir / "tensorboard", gpu[0])  # the same series in TensorBoard

@@ -67,6 +67,11 @@ class Backend(ABC):
         """Refuse (ConfigError, SubmitError) what this place could never run, before anything is written or
         started. `cache` keeps what the place said across the points of a sweep."""
 
+    def node_cpus(self, job: JobConfig, cache: Optional[PreflightCache] = None) -> Optional[int]:
+        """The CPUs of a node this place may run `job` on, the fewest where they differ (None: unknown): what
+        `resources.cpus_per_task: null` is derived from."""
+        return None
+
     def render(self, job: JobConfig, run_dir: Path) -> str:
         """The exact text that is queued for `run_dir` (what a dry run prints). Only a backend that queues a
         script has one: the others refuse `cluster.dry_run` (also in `preflight`)."""

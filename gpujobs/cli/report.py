@@ -1,6 +1,6 @@
 """`python -m gpujobs.report RUN_DIR`: PNG plots of a run and a short text summary (torch-free).
 
-Reads metrics.jsonl, gpu.jsonl (when the run had GPU telemetry) and result.json; writes
+Reads metrics.jsonl, every node's gpu.<node>.jsonl (when the run had GPU telemetry) and result.json; writes
 {loss,throughput,step_time}.png, gpu.png (GPU telemetry), shares.png (each rank's share of the global batch,
 when the run recorded split plans) and checkpoints.png (when it recorded saves) into RUN_DIR/report/, or
 into `--out DIR` (for a run dir this user may read but not write), and prints the summary.
@@ -17,9 +17,9 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any, Optional
 
-from gpujobs.base.atomic import read_jsonl
 from gpujobs.base.errors import GpujobsError
-from gpujobs.rundir import GPU_FILE, METRICS_FILE
+from gpujobs.rundir import METRICS_FILE
+from gpujobs.rundir.gpu_files import read_gpu_samples
 from gpujobs.rundir.records import (
     CheckpointRecord,
     EvalRecord,
@@ -130,7 +130,7 @@ def summarize(metrics: list[MetricsRecord], gpus: list[dict[str, Any]], result: 
                 parts.append(f"memory peak {max(mem) / 1024:.1f}" + (f"/{total / 1024:.1f} GiB" if total else " GiB"))
             lines.append(", ".join(parts))
     else:
-        lines.append("GPU use: no gpu.jsonl (no NVML, or a CPU run): GPU plots skipped")
+        lines.append("GPU use: no gpu.<node>.jsonl (no NVML, or a CPU run): GPU plots skipped")
     return lines
 
 
@@ -290,7 +290,7 @@ def report(run_dir: Path, out: Optional[Path] = None) -> list[str]:
     metrics = read_metrics(run_dir)
     if not metrics:
         raise GpujobsError(f"{run_dir / METRICS_FILE}: missing or empty (is this a gpujobs run dir?)")
-    gpus = read_jsonl(run_dir / GPU_FILE)
+    gpus = read_gpu_samples(run_dir)
     result = read_result(run_dir)
     out = run_dir / REPORT_DIR if out is None else out
     _check_writable(out)

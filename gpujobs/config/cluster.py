@@ -38,6 +38,10 @@ SLURM_MAX_PER_NODE = 65533
 _PER_NODE = "Slurm's --ntasks-per-node is 16-bit"
 #: torch.distributed numbers ranks, and counts them, in a C int.
 MAX_WORLD_SIZE = 2**31 - 1
+#: The most CPUs a GPU rank gets where `resources.cpus_per_task` is null: its own threads (autograd, NCCL's
+#: proxy and watchdog, gloo, the heartbeat, NVML, checkpoint writes) and torch's intra-op pool are busy
+#: with 8; more buys a GPU rank little and takes CPUs from the node's other jobs.
+GPU_RANK_CPUS_CAP = 8
 #: `--mem` is rendered in whole MiB (`--mem=0` would ask for the whole node), and sbatch reads the MiB
 #: count as a signed 64-bit integer.
 _MEM_GB = bounds(ge=1 / 1024, le=2**53, note="GB: at least 1 MiB, as --mem counts whole MiB")
@@ -212,10 +216,12 @@ class ResourcesConfig(Checked):
     procs_per_node: Optional[int] = field(default=None, metadata=bounds(ge=1, le=SLURM_MAX_PER_NODE, note=_PER_NODE))
     """Ranks per node when gpus_per_node is 0 (CPU ranks with gloo); default 1. With GPUs, at most
     gpus_per_node (one rank per GPU: more would not run)."""
-    cpus_per_task: int = field(
-        default=1, metadata=bounds(ge=1, le=SLURM_MAX_PER_NODE, note="Slurm keeps it in 16 bits")
+    cpus_per_task: Optional[int] = field(
+        default=None, metadata=bounds(ge=1, le=SLURM_MAX_PER_NODE, note="Slurm keeps it in 16 bits")
     )
-    """CPU cores per rank (also the torch thread count)."""
+    """CPU cores per rank (also the torch thread count). null: derived at submit (`derived_cpus`): 1 for CPU
+    ranks; for GPU ranks a node's CPUs / its ranks, at most 8, from the nodes as the preflight sees them (the
+    partition's for Slurm, this machine's for a local run); the value is printed and kept in config.yaml."""
     mem_gb: Optional[float] = field(default=None, metadata=_MEM_GB)
     """Memory per node in GB (default: the cluster's default); at least 1/1024 (1 MiB, see `_MEM_GB`)."""
     pick_gpus: bool = False
@@ -250,6 +256,22 @@ class ResourcesConfig(Checked):
             )
 
     @property
+    def cpus(self) -> int:
+        """CPUs per rank: `cpus_per_task`, which the submit side derives where null; 1 where no submit did (a
+        config a benchmark builds itself)."""
+        return self.cpus_per_task if self.cpus_per_task is not None else 1
+
+    def derived_cpus(self, node_cpus: Optional[int]) -> tuple[int, str]:
+        """The CPUs per rank that `cpus_per_task: null` means on nodes of `node_cpus` CPUs (None: unknown),
+        and why, in words: GPU ranks share the node's CPUs, at most `GPU_RANK_CPUS_CAP` each; CPU ranks get 1."""
+        if not self.gpus_per_node:
+            return 1, "CPU ranks"
+        if node_cpus is None:
+            return 1, "the nodes' CPUs are unknown here: set resources.cpus_per_task"
+        cpus = max(1, min(GPU_RANK_CPUS_CAP, node_cpus // self.ranks_per_node))
+        return cpus, f"{node_cpus} CPUs a node / {self.ranks_per_node} GPU ranks, at most {GPU_RANK_CPUS_CAP}"
+
+    @property
     def least_nodes(self) -> int:
         """The fewest nodes the job runs on (min_nodes, else nodes)."""
         return self.min_nodes if self.min_nodes is not None else self.nodes
@@ -270,4 +292,4 @@ class ResourcesConfig(Checked):
     def held_per_rank(self) -> dict[str, Any]:
         """What each rank holds, as an attempt's line says it for the GPU-hour ledger: one GPU, or
         `cpus_per_task` CPUs for CPU ranks (`unit`, `per_rank`)."""
-        return {"unit": "gpu", "per_rank": 1} if self.gpus_per_node else {"unit": "cpu", "per_rank": self.cpus_per_task}
+        return {"unit": "gpu", "per_rank": 1} if self.gpus_per_node else {"unit": "cpu", "per_rank": self.cpus}

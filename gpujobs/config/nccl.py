@@ -69,6 +69,10 @@ _TRUTH = {"1": "1", "true": "1", "yes": "1", "on": "1", "0": "0", "false": "0", 
 
 # Interface lists as NCCL reads them: optional ^ (exclude), then = (exact names), comma-separated names.
 _IFNAME = re.compile(r"\^?=?[A-Za-z0-9_.:-]+(,[A-Za-z0-9_.:-]+)*")
+# Interface names as gloo reads them: exact names, comma-separated.
+_GLOO_IFNAME = re.compile(r"[A-Za-z0-9_.:-]+(,[A-Za-z0-9_.:-]+)*")
+#: gloo's variable: the interface(s) its sockets use (else the address this node's hostname resolves to).
+GLOO_IFNAME_ENV = "GLOO_SOCKET_IFNAME"
 _SAFE_VALUE = re.compile(r"[A-Za-z0-9_.,:=^/+-]*")
 _SAFE_TEXT = "letters, digits and _.,:=^/+-"
 # NCCL puts the host for %h and the pid for %p into NCCL_DEBUG_FILE: one file per rank
@@ -99,6 +103,13 @@ class NcclSettings(Checked):
         default=None, metadata=bounds(pattern=_IFNAME, allowed="interface names like eth0, ib0 or ^lo,docker0")
     )
     """NCCL_SOCKET_IFNAME: interfaces for bootstrap and socket transport, e.g. eth0 or ^lo,docker0."""
+    gloo_socket_ifname: Optional[str] = field(
+        default=None, metadata=bounds(pattern=_GLOO_IFNAME, allowed="interface names like eth0 or eth0,eth1")
+    )
+    """GLOO_SOCKET_IFNAME, on every rank: the interface gloo uses. On GPUs the group is cpu:gloo,cuda:nccl and
+    gloo carries the first collective, the stop votes, checkpoint agreement and eval sums; without it gloo
+    uses the address the node's hostname resolves to, 127.0.1.1 on Debian and Ubuntu by default, where ranks
+    of two nodes never meet. null: the first interface of the node that socket_ifname names (`gloo_ifname`)."""
     ib_disable: Optional[bool] = None
     """NCCL_IB_DISABLE: true forces sockets even where InfiniBand exists."""
     ib_hca: Optional[str] = field(default=None, metadata=bounds(pattern=_SAFE_VALUE, allowed=_SAFE_TEXT))
@@ -150,6 +161,26 @@ class NcclSettings(Checked):
         env.update({TYPED_VARS[key]: value for key, value in named.items() if value is not None})
         env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "1" if self.async_error_handling else "0"
         return env
+
+    def gloo_ifname(self, interfaces: list[str]) -> Optional[str]:
+        """GLOO_SOCKET_IFNAME on a node of `interfaces` (in the kernel's order): `gloo_socket_ifname` where set,
+        else the first interface that `socket_ifname` lets NCCL use, read as NCCL reads it (names are prefixes,
+        exact after `=`; `^` excludes; the loopback only where named), else None (gloo's own choice)."""
+        if self.gloo_socket_ifname is not None:
+            return self.gloo_socket_ifname
+        if self.socket_ifname is None:
+            return None
+        spec = self.socket_ifname
+        exclude = spec.startswith("^")
+        spec = spec.removeprefix("^")
+        exact = spec.startswith("=")
+        names = spec.removeprefix("=").split(",")
+
+        def named(interface: str) -> bool:
+            return interface in names if exact else any(interface.startswith(name) for name in names)
+
+        chosen = [i for i in interfaces if named(i) != exclude and not (exclude and i == "lo")]
+        return chosen[0] if chosen else None
 
     def output_files(self, run_dir: Path) -> dict[str, str]:
         """The files NCCL writes, as the absolute paths a rank of `run_dir` gives NCCL."""

@@ -197,7 +197,7 @@ class TelemetryConfig(Checked):
     """GPU telemetry, straggler detection and the Prometheus endpoint."""
 
     gpu: bool = True
-    """Sample the node's GPUs (NVML) into gpu.jsonl, one sampler per node."""
+    """Sample the node's GPUs (NVML) into gpu.<node>.jsonl, one sampler and one file per node."""
     interval_s: float = field(default=5.0, metadata=bounds(gt=0, le=MAX_WAIT_S))
     """Seconds between GPU samples (an Event.wait: at most `MAX_WAIT_S`)."""
     imbalance_threshold: float = field(default=1.25, metadata=bounds(ge=1))

@@ -11,6 +11,7 @@ from gpujobs.backends import backend_for, backend_named, names, resolve_cluster_
 from gpujobs.backends.base import NO_SCRIPT, Backend
 from gpujobs.backends.container_words import SRUN_OPTIONS
 from gpujobs.base.errors import ConfigError, SubmitError
+from gpujobs.base.hostname import loopback_hostname
 from gpujobs.config.load import JobConfig
 from gpujobs.config.memory import MemoryPlan
 from gpujobs.config.modes import Runtime
@@ -72,8 +73,41 @@ def preflight(job: JobConfig, cache: Optional[dict[Any, Any]] = None) -> Optiona
     if check_data is not None:  # e.g. a sample store missing or unfinished: refused here, not after the queue
         check_data(job)
     _check_replay(job)
+    derive_cpus(job, backend, cache)
     backend.preflight(job, cache)
+    warn_loopback(job)
     return plan
+
+
+def derive_cpus(job: JobConfig, backend: Backend, cache: Optional[dict[Any, Any]] = None) -> None:
+    """`resources.cpus_per_task: null` made the CPUs a rank gets on the nodes `backend` would run `job` on
+    (`ResourcesConfig.derived_cpus`), in `job` itself: the config written to the run dir and the script
+    queued hold it. Said on stderr for GPU ranks (once a sweep)."""
+    res = job.resources
+    if res.cpus_per_task is not None:
+        return
+    cpus, why = res.derived_cpus(backend.node_cpus(job, cache) if res.gpus_per_node else None)
+    res.cpus_per_task = cpus
+    said: set[str] = cache.setdefault("cpus_per_task said", set()) if cache is not None else set()
+    line = f"gpujobs: resources.cpus_per_task=null: {cpus} CPUs per rank ({why})"
+    if res.gpus_per_node and line not in said:
+        print(line, file=sys.stderr)
+        said.add(line)
+
+
+def warn_loopback(job: JobConfig) -> Optional[str]:
+    """Warn (stderr; the warning is returned) where ranks of several nodes would leave gloo to the hostname and
+    this node's resolves to loopback: a cluster's nodes are often set up alike, and there ranks never meet."""
+    if job.resources.nodes < 2 or job.nccl.gloo_socket_ifname is not None or job.nccl.socket_ifname is not None:
+        return None
+    loopback = loopback_hostname()
+    if loopback is None:
+        return None
+    warning = (f"gpujobs: warning: {loopback}: where the nodes' hostnames resolve so too, gloo (which carries the "
+               "ranks' first collective, on GPUs as well) listens on loopback and ranks of two nodes never meet; "
+               "set nccl.socket_ifname (or nccl.gloo_socket_ifname) to the nodes' interface")
+    print(warning, file=sys.stderr)
+    return warning
 
 
 def _check_container(job: JobConfig, backend: Backend) -> None:

@@ -27,6 +27,10 @@ import torch
 
 from gpujobs.rank import collectives
 
+#: At most this many of a window's CUDA event pairs, or of its loss tensors, are kept unread: beyond, those
+#: done are folded into a sum, so a run that logs seldom or never (`trainer.log_every=0`) holds no more.
+FOLD_AT = 256
+
 
 class ComputeClock:
     """Sums one rank's compute seconds over a window of micro-batches."""
@@ -60,6 +64,8 @@ class ComputeClock:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
             self._pairs.append((self._start_event, end))  # recorded after the sleep: it counts
+            if len(self._pairs) >= FOLD_AT:
+                self._fold()
         else:
             self.window_s += time.perf_counter() - self._started
 
@@ -72,6 +78,15 @@ class ComputeClock:
             now.synchronize()
             return self._start_event.elapsed_time(now) / 1000
         return time.perf_counter() - self._started
+
+    def _fold(self) -> None:
+        """Add the micro-batches the GPU is done with to `window_s` (no wait: events end in the order queued)."""
+        done = 0
+        while done < len(self._pairs) and self._pairs[done][1].query():
+            start, end = self._pairs[done]
+            self.window_s += start.elapsed_time(end) / 1000
+            done += 1
+        del self._pairs[:done]
 
     def read(self) -> float:
         """The window's compute seconds, and a new window (on CUDA: waits for the window's last event)."""
@@ -105,11 +120,17 @@ class StepTimes:
     """Data wait + forward on the host clock: what the straggler check compares where `compute_s` is not
     measured (on the CPU, without dynamic balancing or the slow-GPU emulation)."""
     losses: list[torch.Tensor] = field(default_factory=list)
-    """Each micro-batch's loss, detached: summed once per log line."""
+    """Each micro-batch's loss, detached (`add_loss`): summed once per log line, or every `FOLD_AT`."""
     compute_s: float = 0.0
     """Data + forward + backward up to the gradient all-reduce (`ComputeClock`), summed."""
     rows: int = 0
     """Rows this rank read."""
+
+    def add_loss(self, loss: torch.Tensor) -> None:
+        """A micro-batch's loss (detached), kept on its device: no host sync; every `FOLD_AT` folded into one."""
+        self.losses.append(loss.detach())
+        if len(self.losses) >= FOLD_AT:
+            self.losses = [torch.stack(self.losses).sum()]
 
     def reset(self) -> None:
         """Start a new window."""

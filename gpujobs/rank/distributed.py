@@ -20,9 +20,10 @@ import torch.distributed as dist
 from gpujobs.attempt.evidence import nccl_debug_env
 from gpujobs.backends.jobenv import DistInfo, Rendezvous, ephemeral_ports, export_torchrun_env
 from gpujobs.base.errors import ConfigError, GpujobsError
+from gpujobs.base.hostname import loopback_hostname
 from gpujobs.base.nvml import rank_gpu_uuid
 from gpujobs.config.load import JobConfig
-from gpujobs.config.nccl import GLOO_ON_CUDA_ENV, NcclSettings
+from gpujobs.config.nccl import GLOO_IFNAME_ENV, GLOO_ON_CUDA_ENV, NcclSettings
 from gpujobs.rank import collectives
 from gpujobs.rundir.nccl import export_nccl_env
 
@@ -116,6 +117,7 @@ def init_process_group(
     if info.world_size == 1 and not always and os.environ.get(FORCE_GROUP_ENV) != "1":
         return None
     export_torchrun_env(info)
+    export_gloo_ifname(nccl, info)
     cuda = torch.cuda.is_available()
     backend = backend_for(cuda)
     if cuda and backend == "gloo":
@@ -134,6 +136,30 @@ def init_process_group(
         timeout=timeout,
     )
     return backend
+
+
+def export_gloo_ifname(nccl: NcclSettings, info: DistInfo) -> Optional[str]:
+    """Set GLOO_SOCKET_IFNAME on this rank as `nccl` says (`NcclSettings.gloo_ifname`, from this node's
+    interfaces); where it names none, a value the environment holds is kept. Returns what gloo will use (None:
+    its own choice, the hostname's address, with a warning where that is loopback and the ranks span nodes)."""
+    name = nccl.gloo_ifname([interface for _, interface in socket.if_nameindex()])
+    if name is not None:
+        os.environ[GLOO_IFNAME_ENV] = name
+        source = "nccl.gloo_socket_ifname" if nccl.gloo_socket_ifname else f"nccl.socket_ifname={nccl.socket_ifname}"
+        log.info("gloo on %s's interface %s=%s (from %s)", info.node, GLOO_IFNAME_ENV, name, source)
+        return name
+    if nccl.socket_ifname is not None:
+        log.warning("nccl.socket_ifname=%s names no interface of %s: gloo left to its own choice",
+                    nccl.socket_ifname, info.node)
+    if os.environ.get(GLOO_IFNAME_ENV):
+        log.info("gloo on %s's interface %s=%s (from the environment)", info.node, GLOO_IFNAME_ENV,
+                 os.environ[GLOO_IFNAME_ENV])
+        return os.environ[GLOO_IFNAME_ENV]
+    loopback = loopback_hostname()
+    if loopback is not None and info.world_size > info.local_world_size:
+        log.warning("%s: gloo listens there, where the ranks of other nodes cannot reach it; set "
+                    "nccl.socket_ifname or nccl.gloo_socket_ifname", loopback)
+    return None
 
 
 def rendezvous_store(info: DistInfo, meet: Rendezvous, timeout: datetime.timedelta) -> dist.TCPStore:

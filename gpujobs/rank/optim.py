@@ -7,14 +7,17 @@ import math
 import torch
 
 from gpujobs.config.load import OptimConfig
+from gpujobs.rank.step_settings import step_setting
 
 
-def build_optimizer(params: list[torch.nn.Parameter], cfg: OptimConfig) -> torch.optim.Optimizer:
-    """The optimizer `cfg.name` names, with its learning rate and weight decay."""
+def build_optimizer(params: list[torch.nn.Parameter], cfg: OptimConfig, cuda: bool = False) -> torch.optim.Optimizer:
+    """The optimizer `cfg.name` names, with its learning rate and weight decay; Adam's and AdamW's fused kernel
+    on `cuda` ranks (`step_settings`), torch's default kernel on the CPU."""
+    fused = True if cuda and step_setting("fused_adam") else None  # None: torch's own choice (foreach)
     if cfg.name == "adam":
-        return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused)
     if cfg.name == "adamw":
-        return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused)
     return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
 
 

@@ -99,7 +99,7 @@ class TrainJob:
         from gpujobs.rank import distributed
 
         job, run_dir = self.job, Path(self.run_dir)
-        torch.set_num_threads(job.resources.cpus_per_task)
+        torch.set_num_threads(job.resources.cpus)
         if job.trainer.deterministic:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True, warn_only=True)

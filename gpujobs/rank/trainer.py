@@ -69,7 +69,7 @@ class Trainer:
                              checkpoints.directory.parent)
         self.model, self.ddp = self.spread.model, self.spread.wrapped
         """The model as evaluated and saved; the model as the step runs it (DDP's or TorchRec's wrapper)."""
-        self.optimizer = build_optimizer(self.spread.trained_parameters(), job.optim)
+        self.optimizer = build_optimizer(self.spread.trained_parameters(), job.optim, cuda=device.type == "cuda")
         self.scheduler = build_scheduler(self.optimizer, job.optim, cfg.max_steps)
         self.flat_schedule = schedule_is_flat(job.optim)
         self.autocast = job_autocast(cfg.amp, device, info.is_main)
@@ -204,7 +204,7 @@ class Trainer:
                 loss.backward()
             if timed:
                 self.clock.end()  # after the all-reduce hook already marked it, on a synced micro-batch: no-op
-            times.losses.append(loss.detach())  # read once per log line: no host sync, no op on every step
+            times.add_loss(loss)  # read once per log line: no host sync, no op on every step
         beat.phase = "optimizer"
         if self.job.trainer.grad_clip is not None:
             torch.nn.utils.clip_grad_norm_(self.spread.trained_parameters(), self.job.trainer.grad_clip)
@@ -248,7 +248,7 @@ class Trainer:
             self.train_step(times)
             self._write_logged()
             if cfg.log_every and (self.step % cfg.log_every == 0 or self.step == cfg.max_steps):
-                elapsed = time.perf_counter() - window_start
+                elapsed = self._device_done() - window_start
                 train_s += elapsed
                 self._log_window(times, elapsed)
                 times.reset()
@@ -260,12 +260,19 @@ class Trainer:
                 stopped = True
                 break
         if times.steps:
-            train_s += time.perf_counter() - window_start
+            train_s += self._device_done() - window_start
         self._write_logged()
         if not stopped:
             evals = self._evaluate(final=True)
         self._checkpoint(stop=stopped)  # a stop's save, synchronous; after the last step, none is due
         return self._result(stopped, start_step, start_samples, evals, train_s, time.perf_counter() - wall_start)
+
+    def _device_done(self) -> float:
+        """The host clock once this rank's device is done with what it was given: on CUDA the host runs ahead
+        of the GPU, and a window timed without the wait would leave its queued work out (samples/s too high)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
 
     def _begin(self) -> None:
         """The first training step of this attempt is next."""

@@ -9,7 +9,7 @@ A run dir is shared by every attempt of its job (requeues, restarts, a hand-run 
     attempts.jsonl     one line per attempt (`attempts.AttemptLog`)
     result.json        the completed run's result
     metrics.jsonl      rank 0's metrics, one line per log step
-    gpu.jsonl          GPU telemetry samples
+    gpu.<node>.jsonl   GPU telemetry samples, a file a node (`gpu_files`; gpu.jsonl in earlier versions)
     slurm_jobs.jsonl   the queued submissions of the run dir: Slurm jobs, JobSets (`files.read_submissions`)
     lease.json         the job that runs the run dir (`lease`)
     submit.sbatch      the script that queues the run dir alone
@@ -43,6 +43,8 @@ MARKER = "COMPLETE"
 ATTEMPTS_FILE = "attempts.jsonl"
 RESULT_FILE = "result.json"
 METRICS_FILE = "metrics.jsonl"
+#: Every node's GPU samples in one file, as run dirs of earlier versions hold them (read, never written now:
+#: each node has its own, `gpu_files.gpu_file`).
 GPU_FILE = "gpu.jsonl"
 SUBMISSIONS_FILE = "slurm_jobs.jsonl"
 LEASE_FILE = "lease.json"

@@ -16,7 +16,7 @@ import statistics
 from pathlib import Path
 from typing import Any, Union
 
-from gpujobs.base.atomic import JsonlTail
+from gpujobs.rundir.gpu_files import GpuFilesTail
 from gpujobs.rundir.records import EvalRecord, TrainRecord, read_metrics
 
 #: Per-rank series are logged for jobs of up to this many ranks; larger ones log max and median only
@@ -98,16 +98,16 @@ def flat_config(config: dict[str, Any]) -> dict[str, Union[str, float, bool]]:
 
 
 class GpuTail:
-    """The GPU samples appended to gpu.jsonl since the attempt began (every node's sampler appends there);
+    """The GPU samples appended to the run dir's files (`gpu.<node>.jsonl`, a node each) since the attempt began;
     `read` returns the newest reading of each GPU as series."""
 
-    def __init__(self, tail: JsonlTail) -> None:
+    def __init__(self, tail: GpuFilesTail) -> None:
         self._tail = tail
 
     @classmethod
-    def from_now(cls, path: Path) -> GpuTail:
-        """Start at the file's end: earlier attempts' samples were theirs to log."""
-        return cls(JsonlTail(path, from_end=True))
+    def from_now(cls, run_dir: Path) -> GpuTail:
+        """Start at the files' ends: earlier attempts' samples were theirs to log."""
+        return cls(GpuFilesTail(run_dir))
 
     def read(self) -> dict[str, float]:
         """The newest reading of each GPU sampled since the last call, as `gpu/<node>/gpu<i>/<field>` series."""

@@ -113,7 +113,7 @@ def container_resources(job: JobConfig) -> dict[str, Any]:
     """Each pod's requests and limits: CPUs for all its ranks, memory (`resources.mem_gb`), GPUs (limits only:
     an extended resource's request is its limit)."""
     res, cluster = job.resources, job.cluster
-    requests: dict[str, Any] = {"cpu": quantity("resources.cpus_per_task", str(res.cpus_per_task * res.ranks_per_node))}
+    requests: dict[str, Any] = {"cpu": quantity("resources.cpus_per_task", str(res.cpus * res.ranks_per_node))}
     limits: dict[str, Any] = {}
     if res.mem_gb is not None:
         requests["memory"] = limits["memory"] = quantity("resources.mem_gb", f"{int(res.mem_gb * 1024)}Mi")

@@ -46,6 +46,9 @@ class LocalBackend(Backend):
     name = "local"
     container_runtimes = frozenset(LOCAL_RUNTIMES)
 
+    def node_cpus(self, job: JobConfig, cache: Optional[PreflightCache] = None) -> Optional[int]:
+        return len(os.sched_getaffinity(0))  # this machine's CPUs that the ranks may use
+
     def preflight(self, job: JobConfig, cache: Optional[PreflightCache] = None) -> None:
         check_local_resources(job, local_gpu_count())
         check_local_container(job, Path.cwd())  # the ranks start in the submit directory

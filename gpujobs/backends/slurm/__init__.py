@@ -8,6 +8,7 @@ modules (submitit, jinja2) are imported by the operations that need them, not by
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Optional
@@ -38,6 +39,11 @@ class SlurmBackend(Scheduler):
 
     def preflight(self, job: JobConfig, cache: Optional[PreflightCache] = None) -> None:
         preflight.preflight_slurm(job, cache)
+
+    def node_cpus(self, job: JobConfig, cache: Optional[PreflightCache] = None) -> Optional[int]:
+        if shutil.which("sbatch") is None:
+            return None  # preflight says why, in one line
+        return preflight.node_cpus(job, preflight.cluster_info(job, cache))
 
     def render(self, job: JobConfig, run_dir: Path) -> str:
         from gpujobs.backends.slurm.sbatch import run_dir_script

@@ -96,19 +96,30 @@ def query_cluster(job: JobConfig) -> ClusterInfo:
     return info
 
 
-def check(job: JobConfig, info: ClusterInfo) -> None:
-    """Raise ConfigError for the first thing `info`'s cluster could never give `job`."""
-    cluster, res = job.cluster, job.resources
+def partition_of(job: JobConfig, info: ClusterInfo) -> PartitionInfo:
+    """The partition `job` goes to (cluster.partition, else the default); ConfigError where there is none."""
     names = ", ".join(sorted(info.partitions)) or "none"
-    if cluster.partition is None:
+    if job.cluster.partition is None:
         defaults = [p for p in info.partitions.values() if p.default]
         if not defaults:
             raise ConfigError("cluster.partition", None, f"one of {names} (the cluster has no default partition)")
-        part = defaults[0]
-    elif cluster.partition in info.partitions:
-        part = info.partitions[cluster.partition]
-    else:
-        raise ConfigError("cluster.partition", cluster.partition, f"one of {names}")
+        return defaults[0]
+    if job.cluster.partition in info.partitions:
+        return info.partitions[job.cluster.partition]
+    raise ConfigError("cluster.partition", job.cluster.partition, f"one of {names}")
+
+
+def node_cpus(job: JobConfig, info: ClusterInfo) -> Optional[int]:
+    """The fewest CPUs of a node of the job's partition that has its GPUs (any of them may run it)."""
+    part = partition_of(job, info)
+    cpus = [cpus for cpus, gpus in part.nodes.values() if gpus >= job.resources.gpus_per_node]
+    return min(cpus) if cpus else None
+
+
+def check(job: JobConfig, info: ClusterInfo) -> None:
+    """Raise ConfigError for the first thing `info`'s cluster could never give `job`."""
+    cluster, res = job.cluster, job.resources
+    part = partition_of(job, info)
 
     # An elastic job (--nodes=MIN-MAX) needs only MIN nodes that can run it: Slurm starts it on what is
     # there, up to MAX. But a partition's MaxNodes holds the whole range (seen, Slurm 22.05: --nodes=1-2
@@ -129,12 +140,12 @@ def check(job: JobConfig, info: ClusterInfo) -> None:
             "resources.gpus_per_node", res.gpus_per_node,
             f"at most {most} on {least} node(s) of partition {part.name}",
         )
-    cpus_needed = res.ranks_per_node * res.cpus_per_task
+    cpus_needed = res.ranks_per_node * res.cpus
     with_cpus = [n for n in with_gpus if part.nodes[n][0] >= cpus_needed]
     if len(with_cpus) < least:
         most = max((cpus for cpus, _ in part.nodes.values()), default=0)
         raise ConfigError(
-            "resources.cpus_per_task", res.cpus_per_task,
+            "resources.cpus_per_task", res.cpus,
             f"ranks per node ({res.ranks_per_node}) x cpus_per_task <= {most} CPUs per node in partition {part.name}",
         )
     if part.max_time_min is not None and cluster.timeout_min > part.max_time_min:
@@ -145,6 +156,12 @@ def check(job: JobConfig, info: ClusterInfo) -> None:
         raise ConfigError("cluster.qos", cluster.qos, f"one of {', '.join(sorted(info.qos)) or 'none'}")
 
 
+def cluster_info(job: JobConfig, cache: Optional[dict[tuple[bool, bool], ClusterInfo]] = None) -> ClusterInfo:
+    """What the cluster says of itself, asked once a sweep (`cache`)."""
+    key = (job.cluster.account is not None, job.cluster.qos is not None)  # what query_cluster asks depends on these
+    return asked_once(cache, key, lambda: query_cluster(job))
+
+
 def preflight_slurm(job: JobConfig, cache: Optional[dict[tuple[bool, bool], ClusterInfo]] = None) -> None:
     """Query the cluster and check the job against it.
 
@@ -152,8 +169,7 @@ def preflight_slurm(job: JobConfig, cache: Optional[dict[tuple[bool, bool], Clus
     """
     if shutil.which("sbatch") is None:
         raise SubmitError("cluster=slurm but `sbatch` is not on PATH (use cluster=local on this machine)")
-    key = (job.cluster.account is not None, job.cluster.qos is not None)  # what query_cluster asks depends on these
-    check(job, asked_once(cache, key, lambda: query_cluster(job)))
+    check(job, cluster_info(job, cache))
     if job.container.runtime == Runtime.oci and job.resources.ranks_per_node > 1:
         check_oci_tasks(job, slurm_output(["srun", "--version"]).strip())
 

@@ -30,7 +30,7 @@ def prepare_flags(job: JobConfig, logs: Path, tasks: int, at_once: Optional[int]
     array = f"0-{tasks - 1}" + (f"%{at_once}" if at_once else "")
     flags: list[tuple[str, Optional[str]]] = [
         ("job-name", f"{job.name}-prepare"), ("array", array), ("nodes", "1"), ("ntasks", "1"),
-        ("cpus-per-task", str(res.cpus_per_task)), ("time", str(cluster.timeout_min)), *placement_flags(cluster),
+        ("cpus-per-task", str(res.cpus)), ("time", str(cluster.timeout_min)), *placement_flags(cluster),
     ]
     flags += [("requeue", None), ("open-mode", "append"),
               ("output", str(logs / "%A_%a.out")), ("error", str(logs / "%A_%a.err"))]

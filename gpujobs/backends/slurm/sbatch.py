@@ -66,7 +66,7 @@ def sbatch_request(job: JobConfig, folder: Path, command: str, *, array: Optiona
     # explicit `--ntasks-per-node=1` keeps it at MIN nodes even when MAX are free (seen, Slurm 22.05).
     if not (elastic and res.ranks_per_node == 1):
         flags.append(("ntasks-per-node", str(res.ranks_per_node)))
-    flags.append(("cpus-per-task", str(res.cpus_per_task)))
+    flags.append(("cpus-per-task", str(res.cpus)))
     if res.gpus_per_node:
         flags.append(("gpus-per-node", str(res.gpus_per_node)))
     if res.mem_gb is not None:

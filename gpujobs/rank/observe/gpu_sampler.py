@@ -1,4 +1,4 @@
-"""One GPU sampler per node: a background thread appends NVML readings to gpu.jsonl (torch-free).
+"""One GPU sampler per node: a background thread appends NVML readings to the node's gpu.<node>.jsonl (torch-free).
 
 It runs in the node's local-rank-0 process. NVML calls are C calls that drop the GIL, and one
 sample of 8 GPUs is a few hundred microseconds every `interval_s` seconds, so the training loop does
@@ -89,7 +89,7 @@ class GpuSampler:
                         xids.close()
         except NvmlUnavailable:
             log.info("no NVML: GPU telemetry off")
-        except GpujobsError as err:  # gpu.jsonl is no file we may append to (a link planted in its place)
+        except GpujobsError as err:  # the file is no file we may append to (a link planted in its place)
             log.warning("GPU telemetry off: %s", err)
         except Exception:  # telemetry must never take the job down
             log.exception("GPU telemetry failed; the job carries on without it")

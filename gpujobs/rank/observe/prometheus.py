@@ -2,7 +2,7 @@
 
 Rank 0 has every rank's gathered timings, so one endpoint serves the whole job's step, loss,
 throughput, per-rank step time and imbalance. GPU series come from the sampler in the same process,
-so they cover rank 0's node; other nodes' GPUs are in gpu.jsonl (every node's sampler appends there).
+so they cover rank 0's node; other nodes' GPUs are in their gpu.<node>.jsonl (each node's sampler appends to its own).
 With `telemetry.prometheus_port=0` the OS picks the port; the URL is always written to
 `<run_dir>/prometheus.json` so a scraper (or a test) can find it. The endpoint listens on
 `telemetry.prometheus_addr` (loopback by default: the metrics name nodes and jobs); listening on

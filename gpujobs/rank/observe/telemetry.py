@@ -16,12 +16,11 @@ from typing import Any, Optional
 from gpujobs.attempt.preemption import slurm_job_id
 from gpujobs.backends import backend_for
 from gpujobs.backends.jobenv import DistInfo
-from gpujobs.base.atomic import JsonlTail
 from gpujobs.config.load import JobConfig, TelemetryConfig
 from gpujobs.rank.observe.gpu_sampler import GpuSampler, SampleSink
 from gpujobs.rank.observe.prometheus import PrometheusExporter
 from gpujobs.rank.observe.straggler import Peer, StragglerCheck
-from gpujobs.rundir import GPU_FILE
+from gpujobs.rundir.gpu_files import GpuFilesTail, gpu_file
 from gpujobs.rundir.records import MetricsRecord, TrainRecord
 
 log = logging.getLogger(__name__)
@@ -67,11 +66,11 @@ class Telemetry:
             # rank's GPU its cuda:0), and NVML's index is the node's
             on_node = {e["gpu_uuid"]: int(e["rank"]) for e in ranks if e["node"] == info.node and e.get("gpu_uuid")}
             sink = self.exporter.observe_gpus if self.exporter is not None else None
-            self.sampler = GpuSampler(run_dir / GPU_FILE, cfg.interval_s, info.node, on_node, sink)
+            self.sampler = GpuSampler(gpu_file(run_dir, info.node), cfg.interval_s, info.node, on_node, sink)
             if not self.sampler.start():
                 self.sampler = None
         if self.exporter is not None and cfg.gpu and len({p.node for p in peers}) > 1:
-            self.other_nodes = OtherNodesGpus(run_dir / GPU_FILE, info.node, self.exporter.observe_gpus, cfg.interval_s)
+            self.other_nodes = OtherNodesGpus(run_dir, info.node, self.exporter.observe_gpus, cfg.interval_s)
         if self.slow_s:
             log.warning("debug: rank %d sleeps %.0f ms every step (telemetry.debug_slow_rank)", info.rank,
                         cfg.debug_slow_ms)
@@ -109,15 +108,15 @@ class Telemetry:
 
 
 class OtherNodesGpus:
-    """Rank 0's endpoint serves every node's GPUs: the other nodes' samplers append to the run dir's
-    gpu.jsonl, which a thread here follows (every `interval_s`), passing their samples to `sink`.
+    """Rank 0's endpoint serves every node's GPUs: the other nodes' samplers append to their files in the run
+    dir (`gpu.<node>.jsonl`), which a thread here follows (every `interval_s`), passing their samples to `sink`.
 
     Rank 0's own node reaches the endpoint straight from its sampler; the others' samples arrive within
     one interval of being written. Only samples written from now on count (an earlier attempt's are stale).
     """
 
-    def __init__(self, path: Path, own_node: str, sink: SampleSink, interval_s: float) -> None:
-        self._tail = JsonlTail(path, from_end=True)
+    def __init__(self, run_dir: Path, own_node: str, sink: SampleSink, interval_s: float) -> None:
+        self._tail = GpuFilesTail(run_dir, skip=frozenset({gpu_file(run_dir, own_node)}))
         self._own_node = own_node
         self._sink = sink
         self._stop = threading.Event()

@@ -27,6 +27,7 @@ from gpujobs.rank import collectives
 from gpujobs.rank.checkpoint_sharded import SHARDED_DIR, load_sharded
 from gpujobs.rank.compute_clock import ComputeClock
 from gpujobs.rank.metrics import param_digest, state_digest
+from gpujobs.rank.step_settings import step_setting
 from gpujobs.rundir import PLAN_FILE
 from gpujobs.rundir.plan import model_shape, plan_request, read_plan, write_plan
 
@@ -45,7 +46,9 @@ class Replicated:
         self.wrapped: nn.Module = self.model
         if dist.is_initialized():
             ids = [device.index] if device.type == "cuda" else None
-            ddp = DistributedDataParallel(self.model, device_ids=ids)
+            ddp = DistributedDataParallel(self.model, device_ids=ids,
+                                          gradient_as_bucket_view=step_setting("gradient_as_bucket_view"),
+                                          static_graph=step_setting("static_graph"))
             if clock is not None:
                 clock.install(ddp)
             self.wrapped = ddp

@@ -39,7 +39,6 @@ from types import TracebackType
 from typing import Any, Optional, Protocol
 
 from gpujobs.config.load import JobConfig
-from gpujobs.rundir import GPU_FILE
 from gpujobs.rundir.records import EvalRecord, MetricsRecord, TrainRecord
 from gpujobs.trackers.series import GpuTail, StepRecord, history
 
@@ -167,7 +166,7 @@ class _Worker:
         self.queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.status = "failed"
         self.started = threading.Event()
-        self._gpu = GpuTail.from_now(run_dir / GPU_FILE)  # samples before this attempt were earlier ones'
+        self._gpu = GpuTail.from_now(run_dir)  # samples before this attempt were earlier ones'
         self.thread = threading.Thread(target=self._work, name=f"gpujobs-{tracker.name}", daemon=True)
         self.thread.start()
 
