@@ -136,8 +136,14 @@ class MemoryPlan:
         lines = [f"memory plan: parallel={self.parallel}, {self.world_size} ranks ({self.ranks_per_node} a node, "
                  f"{self.device}); a GPU {_size(self.gpu_mem)}, a node's host memory {_size(self.host_mem)}"]
         width = max([len(t.name) for t in self.tables] + [5])
-        lines.append(f"  {'table':<{width}}  {'rows x dim':>16}  {'sharding':<17}  {'kernel':<17}  {'bytes':>9}  ranks")
-        for table in self.tables:
+        if self.parallel == "ddp":  # every table alike: on every rank
+            each = sum(t.bytes_by_rank.get(0, 0) for t in self.tables)
+            lines.append(f"  {len(self.tables)} tables on every rank: {_size(each)} a rank with their gradients and "
+                         "optimizer state")
+        else:
+            lines.append(f"  {'table':<{width}}  {'rows x dim':>16}  {'sharding':<17}  {'kernel':<17}  {'bytes':>9}  "
+                         "ranks")
+        for table in self.tables if self.parallel != "ddp" else ():
             lines.append(f"  {table.name:<{width}}  {f'{table.rows} x {table.dim}':>16}  {table.sharding_type:<17}  "
                          f"{table.compute_kernel:<17}  {_size(sum(table.bytes_by_rank.values())):>9}  "
                          f"{_ranks(table.ranks)}")

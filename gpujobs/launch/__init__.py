@@ -181,9 +181,10 @@ def launch(job: JobConfig, run_dir: Path) -> int:
     if job.cluster.dry_run:
         from gpujobs.rundir.files import discard_if_empty
 
+        script = backend_for(job).render(job, run_dir)  # first: a render that refuses leaves its one line alone
         if plan is not None:  # on stderr: stdout is the script, as it would be queued
             print(plan.render(), file=sys.stderr)
-        print(backend_for(job).render(job, run_dir), end="")
+        print(script, end="")
         discard_if_empty(run_dir)  # a dry run leaves nothing behind, not even the empty run dir
         return 0
     return start(job, run_dir, plan)
