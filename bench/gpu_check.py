@@ -306,6 +306,35 @@ def two_ranks_one_device(m: Machine) -> str:
 
 
 # ---------------------------------------------------------------- checks that need a GPU
+def fbgemm_cuda_missing() -> str:
+    """Why the TorchRec check cannot run here: FBGEMM's CUDA build or TorchRec not installed ("": both are)."""
+    import importlib.metadata
+
+    for dist in ("fbgemm-gpu", "torchrec"):
+        try:
+            importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return f"needs {dist} (FBGEMM's CUDA build and TorchRec: scripts/install-torchrec.sh cuda)"
+    return ""
+
+
+def torchrec_sharded(m: Machine) -> str:
+    """The rec job with its tables sharded by TorchRec on the GPU (parallel=torchrec: FBGEMM's fused CUDA
+    kernels, fused Adam for the tables), saved through DCP at its last step and resumed to twice as many."""
+    common = (*TINY, *m.ranks(1), "parallel=torchrec", "optim.table_optimizer=adam", "trainer.eval_every=0",
+              "checkpoint.every_steps=0")
+    run_dir = m.work / "torchrec" / "run"
+    first = submit(m, run_dir, *common, "trainer.max_steps=40").completed()
+    plan = json.loads((run_dir / "plan.json").read_text())
+    need(plan["parallel"] == "torchrec" and plan["device"] == "cuda", plan)
+    marker = json.loads((Path(first["saved"]) / "COMPLETE").read_text())
+    need(any(name.startswith("sharded/") for name in marker["files"]), "no sharded state in the checkpoint")
+    second = submit(m, run_dir, *common, "trainer.max_steps=80").completed()
+    need(second["resumed_from"] == first["saved"] and second["start_step"] == 40, second)
+    kernels = sorted({table["compute_kernel"] for table in plan["tables"]})
+    return f"{len(plan['tables'])} tables ({', '.join(kernels)}), {second['samples_per_s']} samples/s, resumed"
+
+
 def nvml_health(m: Machine) -> str:
     return cuda_child(m, "nvml_health")
 
@@ -526,11 +555,13 @@ class Check:
     """The GPUs it needs (1 where `needs` says why, 2 for a two-GPU check)."""
     budget_s: float = 60
     """The most seconds it may take (on a GPU node; the deadline may leave it less)."""
+    lacks: Callable[[], str] = lambda: ""
+    """What else it needs that this machine lacks, in words ("": nothing)."""
 
     def skip_reason(self, m: Machine) -> str:
         """Why this check cannot run here ("": it can)."""
         if m.gpus >= self.gpus:
-            return ""
+            return self.lacks()
         return f"needs {self.gpus} GPUs ({self.needs})" if m.cuda else f"needs a GPU ({self.needs})"
 
 
@@ -546,6 +577,8 @@ CHECKS = (
     Check("CUDA_VISIBLE_DEVICES=GPU-<uuid>", uuid_visible_devices, "a GPU's UUID", 1, 45),
     Check("straggler named under NCCL", straggler_two_gpus, "NCCL between two GPUs", 2, 60),
     Check("bench_gpu.py: trainer vs plain", bench_gpu, "CUDA throughput", 1, 45),
+    Check("TorchRec tables sharded, DCP resume", torchrec_sharded, "FBGEMM's CUDA kernels", 1, 60,
+          lacks=fbgemm_cuda_missing),
     *(Check(f"bench_gpu.py: {name}", step_setting_check(name), "CUDA throughput", 1, 30)
       for name in ("gradient_as_bucket_view", "fused_adam", "static_graph")),
     Check("resume in place, grad_accum=2", resume_in_place, budget_s=45),

@@ -66,6 +66,21 @@ def test_a_failed_check_fails_the_run_and_the_others_still_run(
     assert "FAILED   CheckFailed: the resumed run redid 3 steps" in out and "cpu check" in out.split("summary")[1]
 
 
+def test_the_torchrec_check_is_skipped_by_name_where_fbgemms_cuda_build_is_absent(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """This machine has FBGEMM's CPU build (fbgemm-gpu-cpu), not the CUDA one: on a GPU node like it, the TorchRec
+    row says what it needs instead of failing; the run's exit is still 0 where every other check passed."""
+    import importlib.metadata
+
+    with pytest.raises(importlib.metadata.PackageNotFoundError):
+        importlib.metadata.version("fbgemm-gpu")
+    torchrec_check = next(check for check in gpu_check.CHECKS if check.run is gpu_check.torchrec_sharded)
+    assert run_checks(machine(1, tmp_path), (CPU, torchrec_check)) == 0
+    table = capsys.readouterr().out.split("summary")[1]
+    assert "TorchRec tables sharded" in table and "needs fbgemm-gpu (FBGEMM's CUDA build" in table, table
+
+
 def test_only_the_check_switch_lets_two_gpu_ranks_share_one_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     # gpu_check's two ranks on a one-GPU machine: refused as ever without the switch, and on a machine
     # without a GPU even with it (there is nothing to share)
