@@ -94,9 +94,11 @@ def side(run_dir: Path, name: str, overrides: tuple[str, ...], failed: list[str]
     if done.returncode != 0 or figures.get("status") != "completed":
         failed.append(f"{name}: did not train ({done.stderr.strip().splitlines()[-1:] or done.returncode})")
         return {}
-    return {"samples_per_s": figures["samples_per_s"], "wall_s": round(time.monotonic() - started, 1),
-            "peak_rss_mb": max(r["peak_rss_mb"] for r in figures["ranks"]), "auc": figures.get("auc"),
-            "checkpoint_bytes_a_rank": max(checkpoint_bytes(run_dir)), "param_digest": figures["param_digest"]}
+    measured = {"samples_per_s": figures["samples_per_s"], "wall_s": round(time.monotonic() - started, 1),
+                "peak_rss_mb": max(r["peak_rss_mb"] for r in figures["ranks"]), "auc": figures.get("auc"),
+                "checkpoint_bytes_a_rank": max(checkpoint_bytes(run_dir)), "param_digest": figures["param_digest"]}
+    print(f"bench_sharded: {name}: {measured}", file=sys.stderr, flush=True)
+    return measured
 
 
 def resume_figures(scratch: Path, store: Path, steps: int, straight: dict[str, Any],
@@ -107,19 +109,22 @@ def resume_figures(scratch: Path, store: Path, steps: int, straight: dict[str, A
 
     sharded = job(store, 100_000, steps, "parallel=torchrec", "telemetry.debug_slow_rank=0",
                   "telemetry.debug_slow_ms=20")
-    killed = RunningJob(scratch / "killed", *sharded, "cluster.max_restarts=1")
-    killed.wait_for_step(steps // 2 + 1, timeout=900)
-    killed.signal_rank(1, signal.SIGKILL)
-    killed.wait()
+    def interrupt(run_dir: Path, after: int, rank: int, signum: int, *more: str) -> None:
+        running = RunningJob(run_dir, *sharded, *more)
+        try:
+            running.wait_for_step(after, timeout=900)
+            running.signal_rank(rank, signum)
+            running.wait()
+        except (AssertionError, TimeoutError) as err:  # a run that ended (or hung) before its signal
+            failed.append(f"{run_dir.name}: not interrupted at step {after} ({err!r}): {running.output()[-600:]}")
+
+    interrupt(scratch / "killed", steps // 2 + 1, 1, signal.SIGKILL, "cluster.max_restarts=1")
     same = result(scratch / "killed").get("param_digest") == straight.get("param_digest")
     if not same:
         failed.append("kill and resume: another param_digest than straight")
     elastic = scratch / "elastic"
     for ranks, after in ((2, steps // 4 + 1), (1, steps // 2 + 1)):
-        running = RunningJob(elastic, *sharded, "cluster.max_preemptions=0", f"resources.procs_per_node={ranks}")
-        running.wait_for_step(after, timeout=900)
-        running.signal_rank(0, signal.SIGUSR2)
-        running.wait()
+        interrupt(elastic, after, 0, signal.SIGUSR2, "cluster.max_preemptions=0", f"resources.procs_per_node={ranks}")
     done = submit(elastic, *sharded, "resources.procs_per_node=3")
     last = result(elastic)
     worlds = [a["world_size"] for a in attempts(elastic)]
