@@ -16,6 +16,7 @@ from gpujobs.config.memory import MemoryPlan
 from gpujobs.config.modes import Runtime
 from gpujobs.config.validate import check_slurm_path
 from gpujobs.launch.memory import plan_job
+from gpujobs.launch.next_steps import next_steps
 from gpujobs.rundir import CONFIG_FILE, PLAN_FILE
 from gpujobs.rundir.files import write_config
 from gpujobs.rundir.plan import write_plan
@@ -141,18 +142,22 @@ def check_start(job: JobConfig, run_dir: Path, key: str = "hydra.run.dir") -> No
 
 def launch(job: JobConfig, run_dir: Path) -> int:
     """Preflight and `check_start`, then start the job (or, for a dry run, print its script); returns the
-    exit code."""
+    exit code. A start ends with the run dir and the commands that read it (`next_steps`)."""
     plan = preflight(job)
     check_start(job, run_dir)
     if job.cluster.dry_run:
         from gpujobs.rundir.files import discard_if_empty
 
+        script = backend_for(job).render(job, run_dir)  # first: a render refused is one line, no plan before it
         if plan is not None:  # on stderr: stdout is the script, as it would be queued
             print(plan.render(), file=sys.stderr)
-        print(backend_for(job).render(job, run_dir), end="")
+        print(script, end="")
         discard_if_empty(run_dir)  # a dry run leaves nothing behind, not even the empty run dir
         return 0
-    return start(job, run_dir, plan)
+    code = start(job, run_dir, plan)
+    backend = backend_for(job)
+    print(next_steps(run_dir, queued=backend.queues and not backend.follows(job)), flush=True)
+    return code
 
 
 def start(job: JobConfig, run_dir: Path, plan: Optional[MemoryPlan] = None) -> int:
