@@ -32,6 +32,7 @@ from conftest import REPO, submit
         "cluster.signal_lead_s=70000",
         "resources.mem_gb=0.0001",  # would have rendered --mem=0M: the whole node
         "+nccl.extra.NCCL_IB_DISABLE=maybe",
+        "container.image=registry.example.com/rec:1",  # an image alone runs only where the kubelet runs it
     ],
 )
 def test_bad_config_one_line_exit_2_no_run_dir(run_dir: Path, override: str) -> None:

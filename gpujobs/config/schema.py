@@ -26,8 +26,8 @@ from gpujobs.config.cluster import DIR_NAME, DIR_NAME_TEXT, ClusterConfig, Resou
 from gpujobs.config.cluster import SLURM_LIMIT_CHECK_S as SLURM_LIMIT_CHECK_S
 from gpujobs.config.cluster import SLURM_MAX_SIGNAL_LEAD_S as SLURM_MAX_SIGNAL_LEAD_S
 from gpujobs.config.cluster import parse_time_minutes as parse_time_minutes
-from gpujobs.config.container import NO_RUNTIME, ContainerConfig
-from gpujobs.config.modes import Amp, Balance, Optimizer, Runtime, Schedule, TableOptimizer
+from gpujobs.config.container import ContainerConfig
+from gpujobs.config.modes import Amp, Balance, Optimizer, Schedule, TableOptimizer
 from gpujobs.config.nccl import NcclSettings
 from gpujobs.config.parallel import ParallelConfig, check_torchrec
 from gpujobs.config.trackers import LoggerConfig
@@ -338,19 +338,11 @@ class JobConfig(Checked):
                 f"file_sd target gpujobs-NAME-<hash>.json must fit Linux's {NAME_MAX}-byte file name)",
             )
         self._check_shares()
-        self._check_image()
         check_torchrec(self)
         for key in PLUGINS if self.script is None else ():  # a plug-in's rules across sections; a script has none
             check = getattr(getattr(self, key), "check_job", None)
             if check is not None:
                 check(self)
-
-    def _check_image(self) -> None:
-        """An image without a runtime is an image the cluster itself runs: Kubernetes' kubelet does; anywhere
-        else it would be silently ignored, and is refused."""
-        if self.container.runtime == Runtime.none and self.container.image and self.cluster.name != "kubernetes":
-            raise ConfigError("container.image", self.container.image,
-                              f"{NO_RUNTIME}; cluster=kubernetes takes an image alone")
 
     def _check_shares(self) -> None:
         """Static shares are one weight per rank of the one world size the job can start at."""

@@ -11,6 +11,7 @@ from gpujobs.backends import backend_for, backend_named, names, resolve_cluster_
 from gpujobs.backends.base import NO_SCRIPT, Backend
 from gpujobs.backends.container_words import SRUN_OPTIONS
 from gpujobs.base.errors import ConfigError, SubmitError
+from gpujobs.config.container import NO_RUNTIME
 from gpujobs.config.load import JobConfig
 from gpujobs.config.memory import MemoryPlan
 from gpujobs.config.modes import Runtime
@@ -81,6 +82,9 @@ def _check_container(job: JobConfig, backend: Backend) -> None:
     """`container=`: a runtime the chosen cluster runs the ranks in (none always is), an image file that exists
     and can be read, mounts whose host paths exist (`ContainerConfig.check_here`)."""
     runtime = job.container.runtime
+    if runtime == Runtime.none and job.container.image and not backend.runs_images:
+        alone = "|".join(name for name in names() if backend_named(name).runs_images)
+        raise ConfigError("container.image", job.container.image, f"{NO_RUNTIME}; cluster={alone} takes an image alone")
     if runtime != Runtime.none and runtime not in backend.container_runtimes:
         where = [name for name in names() if runtime in backend_named(name).container_runtimes]
         runs = f"runs on cluster={'|'.join(where)}" if where else "runs on no cluster"

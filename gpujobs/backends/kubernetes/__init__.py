@@ -37,6 +37,7 @@ class KubernetesBackend(Scheduler):
     name = "kubernetes"
     renders = True
     container_runtimes = frozenset({Runtime.podman.value})
+    runs_images = True
     final_states = jobs.FINAL
     failed_states = jobs.FAILED
     cancelled_state = jobs.CANCELLED
