@@ -1,7 +1,9 @@
 """`python -m gpujobs.submit [overrides]`: compose and validate a config, then launch the job.
 
-Exit codes: 0 the job completed (or was queued), 1 it failed, 2 the config or submission was refused.
-This module never imports torch: the job side does that, in its own processes.
+Exit codes: 0 the job completed (or was queued), 1 it failed, 2 the config or submission was refused,
+128 + N a local job's launcher was stopped by signal N (130 Ctrl-C, 143 SIGTERM, 129 SIGHUP): its job was
+killed, its attempt recorded `cancelled`, and the same command resumes it. This module never imports torch:
+the job side does that, in its own processes.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from gpujobs.launch.sweep import PLANS_SWEEP_POINTS
 
 #: conf/ (the checkout's or the wheel's copy); GPUJOBS_CONFIG_DIR points elsewhere (a team's own config tree).
 CONFIG_DIR = str(config_dir())
+#: The config or the submission was refused before anything ran or was queued: one line said why, and no
+#: directory the submit made is left.
 EXIT_REFUSED = 2
 
 _task_started = False
