@@ -216,3 +216,23 @@ def test_the_reference_names_every_key_command_and_exit_code(site: Path) -> None
     assert {"EXIT_BAD_INPUT gpujobs.cli.main", "EXIT_REFUSED gpujobs.cli.submit"} <= set(constants), exits
     assert [row for row, meaning in constants.items() if not meaning] == []  # each says what it means
     assert "143 SIGTERM" in exits and "130 Ctrl-C" in exits, exits  # an interrupted launcher's 128 + N
+
+
+def test_the_home_page_maps_every_guide_and_concept_of_the_site() -> None:
+    """index.md's site map links every page the nav lists under Guides and Concepts (it left out the
+    containers, Kubernetes and Criteo guides)."""
+    nav = yaml.safe_load((REPO / "mkdocs.yml").read_text())["nav"]
+    listed = [page for part in nav if isinstance(part, dict) for title, pages in part.items()
+              if title in ("Guides", "Concepts") for entry in pages for page in entry.values()]
+    assert len(listed) > 15
+    site_map = (REPO / "docs" / "index.md").read_text().split("## This site", 1)[1]
+    assert [page for page in listed if f"]({page})" not in site_map] == []
+
+
+def test_no_page_speaks_of_how_the_project_was_made() -> None:
+    """The README and the site speak of gpujobs, not of the work that made it (issues, sessions, who was lent
+    what)."""
+    making = re.compile(r"\b(?:issue \d+|sessions?|no task so far|was lent|(?:the )?lead engineer)\b", re.I)
+    said = {str(p.relative_to(REPO)): found for p in [README, *sorted((REPO / "docs").rglob("*.md"))]
+            if (found := making.findall(p.read_text()))}
+    assert said == {}
