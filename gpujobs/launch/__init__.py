@@ -79,8 +79,9 @@ def preflight(job: JobConfig, cache: Optional[dict[Any, Any]] = None) -> Optiona
 
 
 def _check_container(job: JobConfig, backend: Backend) -> None:
-    """`container=`: a runtime the chosen cluster runs the ranks in (none always is), an image file that exists
-    and can be read, mounts whose host paths exist (`ContainerConfig.check_here`)."""
+    """`container=`: a runtime the chosen cluster runs the ranks in (none always is), an image alone only where
+    the cluster runs it itself (`Backend.runs_images`), an image file that exists and can be read, mounts whose
+    host paths exist (`ContainerConfig.check_here`)."""
     runtime = job.container.runtime
     if runtime == Runtime.none and job.container.image and not backend.runs_images:
         alone = "|".join(name for name in names() if backend_named(name).runs_images)
