@@ -22,6 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from sides import expect
+
 REPO = Path(__file__).resolve().parent.parent
 JOB = ("+experiment=rec", "+debug=tiny", "cluster=slurm", "resources.nodes=2", "resources.procs_per_node=1",
        "trainer.max_steps=200", "trainer.log_every=1", "checkpoint.every_steps=50", "cluster.wait=true",
@@ -43,7 +45,12 @@ def one_round(run_dir: Path) -> dict[str, float]:
     subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
     proc.wait(timeout=300)
     log.close()
-    first, second = (json.loads(line) for line in (run_dir / "attempts.jsonl").read_text().splitlines()[:2])
+    lines = [json.loads(line) for line in (run_dir / "attempts.jsonl").read_text().splitlines()]
+    reasons = [line["reason"] for line in lines]
+    # only a preemption that requeued and then completed measures a preemption
+    expect("the preempted job", proc.returncode == 0 and reasons[:2] == ["preempted", "completed"],
+           f"exit {proc.returncode}, attempts {reasons} (see {run_dir.parent / f'{run_dir.name}.log'})")
+    first, second = lines[:2]
     resumed = [json.loads(line) for line in metrics.read_text().splitlines()]
     first_resumed = next(r["time"] for r in resumed if r["time"] > second["start"] and r.get("kind") == "train")
     return {

@@ -27,6 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from sides import expect, last_line, ran
+
 REPO = Path(__file__).resolve().parent.parent
 COMPOSE = (
     "from hydra import compose, initialize_config_dir\n"
@@ -49,9 +51,10 @@ def cancel(jobs: list[str]) -> None:
     subprocess.run(["scancel", *jobs], check=False)
 
 
-def timed(cmd: list[str], cwd: Path, env: dict[str, str] | None = None) -> tuple[float, str]:
+def timed(side: str, cmd: list[str], cwd: Path, env: dict[str, str] | None = None) -> tuple[float, str]:
+    """`cmd`'s wall time and stdout; one that fails stops the bench naming `side` (`sides.ran`)."""
     start = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, check=True, env=env)
+    proc = ran(side, cmd, cwd=cwd, env=env)
     return time.perf_counter() - start, proc.stdout
 
 
@@ -71,18 +74,23 @@ def main() -> None:
         for round_ in range(args.rounds):
             def gpujobs(round_: int = round_, name: str = "gpujobs", checkout: Path = REPO) -> None:
                 seconds, out = timed(
-                    [sys.executable, "-m", "gpujobs.submit", f"hydra.run.dir={tmp}/{name}{round_}",
-                     "+experiment=rec", "+debug=tiny", "cluster=slurm"], checkout, with_path(checkout))
-                cancel(re.findall(r"submitted Slurm job (\d+)", out))
+                    name, [sys.executable, "-m", "gpujobs.submit", f"hydra.run.dir={tmp}/{name}{round_}",
+                           "+experiment=rec", "+debug=tiny", "cluster=slurm"], checkout, with_path(checkout))
+                queued = re.findall(r"submitted Slurm job (\d+)", out)
+                cancel(queued)
+                expect(name, bool(queued), f"queued no job: {last_line(out)}")
                 times[name].append(seconds)
 
             def before(round_: int = round_) -> None:
                 gpujobs(round_, "before", args.before)
 
             def python_then_sbatch(name: str, *python: str) -> None:
-                python_s, _ = timed([sys.executable, *python], REPO)
-                sbatch_s, out = timed(["sbatch", "--parsable", f"--output={tmp}/raw-%j.out", "--wrap", "true"], REPO)
-                cancel([out.strip().split(";")[0]])
+                python_s, _ = timed(name, [sys.executable, *python], REPO)
+                sbatch_s, out = timed(name, ["sbatch", "--parsable", f"--output={tmp}/raw-%j.out", "--wrap", "true"],
+                                      REPO)
+                job_id = out.strip().split(";")[0]
+                cancel([job_id])
+                expect(name, job_id.isdigit(), f"sbatch queued no job: {last_line(out)}")
                 times[name].append(python_s + sbatch_s)
 
             def raw() -> None:

@@ -12,6 +12,9 @@ same command with `hydra/launcher=submitit_slurm` (hydra-submitit-launcher, the 
 a'/a and c/a come from one round. With `--before DIR` (a checkout of an earlier commit), (a) is also
 timed with DIR's gpujobs in the same rounds, so that a change is measured side by side. Everything queued
 is cancelled at once (array parallelism 1, so at most one task runs meanwhile).
+
+Each side must do its work to be timed (`sides`): (b) needs hydra-submitit-launcher, asked first; a side
+whose command fails, or that queues fewer than N tasks, stops the bench naming it, exit 1.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Optional
+
+from sides import expect, fail, last_line, ran
 
 REPO = Path(__file__).resolve().parent.parent
 BASE = ["+experiment=rec", "+debug=tiny", "cluster=slurm", "resources.procs_per_node=1"]
@@ -51,15 +56,29 @@ def time_gpujobs(points: int, tmp: Path, sweeper: str = "gpujobs", checkout: Opt
     """(a), or (a') with `sweeper="basic"`; with `checkout`, that checkout's gpujobs (first on the path)."""
     tmp.mkdir(parents=True, exist_ok=True)
     env = None if checkout is None else {**os.environ, "PYTHONPATH": str(checkout)}
+    side = f"(a) gpujobs, {sweeper} sweeper" + ("" if checkout is None else f", {checkout}")
     start = time.perf_counter()
-    proc = subprocess.run(
-        _submit("-m", f"hydra.sweep.dir={tmp / (sweeper if checkout is None else 'before')}", *BASE, "name=bench_gj",
-                "cluster.array_parallelism=1", f"hydra/sweeper={sweeper}", f"trainer.seed=range(0,{points})"),
-        cwd=tmp, capture_output=True, text=True, check=True, env=env,
-    )
+    proc = ran(side, _submit("-m", f"hydra.sweep.dir={tmp / (sweeper if checkout is None else 'before')}", *BASE,
+                             "name=bench_gj", "cluster.array_parallelism=1", f"hydra/sweeper={sweeper}",
+                             f"trainer.seed=range(0,{points})"), cwd=tmp, env=env)
     elapsed = time.perf_counter() - start
-    _cancel(set(re.findall(r"job array (\d+)", proc.stdout)))
+    arrays = re.findall(r"job array (\d+) \((\d+) points", proc.stdout)
+    _cancel({array for array, _ in arrays})
+    queued = sum(int(count) for _, count in arrays)
+    expect(side, queued == points, f"queued {queued} of {points} points: {last_line(proc.stdout)}")
     return elapsed
+
+
+#: Side (b), as the bench names it when it fails.
+_HYDRA_SIDE = "(b) Hydra's submitit launcher (hydra-submitit-launcher)"
+
+
+def check_hydra_submitit() -> None:
+    """Side (b) needs hydra-submitit-launcher (the `dev` extra): without it, its command fails at once."""
+    try:
+        import hydra_plugins.hydra_submitit_launcher.submitit_launcher  # noqa: F401
+    except ImportError as err:
+        fail(_HYDRA_SIDE, f"it is not installed ({err}): pip install hydra-submitit-launcher, or the dev extra")
 
 
 def time_hydra_submitit(points: int, tmp: Path) -> float:
@@ -68,9 +87,12 @@ def time_hydra_submitit(points: int, tmp: Path) -> float:
                   "hydra/launcher=submitit_slurm", "hydra.launcher.name=bench_hs",
                   f"hydra.launcher.submitit_folder={tmp / 'hydra' / 'submitit'}", "hydra.launcher.array_parallelism=1",
                   "hydra.launcher.timeout_min=5", f"trainer.seed=range(0,{points})")
+    errors = tmp / "hydra.stderr"
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=tmp, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    with open(errors, "w") as stderr:
+        proc = subprocess.Popen(cmd, cwd=tmp, stdout=subprocess.DEVNULL, stderr=stderr)
     ids: set[str] = set()
+    count = 0
     try:
         while proc.poll() is None:
             count, ids = _array_tasks("bench_hs")
@@ -82,6 +104,9 @@ def time_hydra_submitit(points: int, tmp: Path) -> float:
         proc.terminate()
         proc.wait()
         _cancel(ids | _array_tasks("bench_hs")[1])
+    # it ends only once its tasks do: an end before all were queued is a failure, not a fast round
+    expect(_HYDRA_SIDE, count >= points, f"exited {proc.returncode} with {count} of {points} tasks queued: "
+                                         f"{last_line(errors.read_text())}")
     return elapsed
 
 
@@ -91,10 +116,12 @@ def time_singles(count: int, tmp: Path) -> float:
     elapsed = 0.0
     for i in range(count):
         start = time.perf_counter()
-        proc = subprocess.run(_submit(f"hydra.run.dir={tmp / 'single' / str(i)}", *BASE, "name=bench_single",
-                                      f"trainer.seed={i}"), cwd=tmp, capture_output=True, text=True, check=True)
+        proc = ran("(c) single submissions", _submit(f"hydra.run.dir={tmp / 'single' / str(i)}", *BASE,
+                                                    "name=bench_single", f"trainer.seed={i}"), cwd=tmp)
         elapsed += time.perf_counter() - start
-        _cancel(set(re.findall(r"submitted Slurm job (\d+)", proc.stdout)))
+        queued = set(re.findall(r"submitted Slurm job (\d+)", proc.stdout))
+        _cancel(queued)
+        expect("(c) single submissions", bool(queued), f"submission {i} queued no job: {last_line(proc.stdout)}")
     return elapsed
 
 
@@ -105,6 +132,7 @@ def main() -> None:
     parser.add_argument("--singles", type=int, default=100, help="single submissions to time (scaled to --points)")
     parser.add_argument("--before", type=Path, help="a checkout of an earlier commit, timed beside this one")
     args = parser.parse_args()
+    check_hydra_submitit()  # first: a side that cannot run is said before anything is timed
     if not os.environ.get("SLURM_CONF"):
         raise SystemExit("needs the live cluster: eval \"$(bash scripts/local-slurm.sh up)\"")
     gj: list[float] = []

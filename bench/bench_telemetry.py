@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from bench_trainer import WORLD, job_config, join_as_rank, spawn_rate
+from bench_trainer import WORLD, job_config, join_as_rank, spawn_rate, trained_rate
 
 from gpujobs.config.load import JobConfig
 from gpujobs.rank.checkpoint import CheckpointManager
@@ -41,7 +41,7 @@ def _rank(rank: int, on: bool, job: JobConfig, port: int, out: Any) -> None:
         try:
             checkpoints = CheckpointManager(Path(tmp), 0, 1, rank, world_size=info.world_size)
             trainer = Trainer(job, info, device, task, checkpoints, MetricsLog(None), telemetry=telemetry)
-            rate = trainer.fit()["samples_per_s"]
+            rate = trained_rate(trainer.fit(), job)
         finally:
             if telemetry is not None:
                 telemetry.close()
@@ -51,7 +51,7 @@ def _rank(rank: int, on: bool, job: JobConfig, port: int, out: Any) -> None:
 
 
 def run(on: bool, job: JobConfig, port: int) -> float:
-    return spawn_rate(_rank, on, job, port)
+    return spawn_rate(f"telemetry {'on' if on else 'off'}", _rank, on, job, port)
 
 
 def main() -> None:

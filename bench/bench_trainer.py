@@ -35,6 +35,7 @@ import checkout  # noqa: F401  (first: the checkout on the path, before gpujobs)
 import torch
 import torch.multiprocessing as mp
 from hydra import compose, initialize_config_dir
+from sides import fail, last_line
 from torch.nn.parallel import DistributedDataParallel
 
 from gpujobs.backends.jobenv import DistInfo
@@ -104,7 +105,7 @@ def _trainer_rate(rank: int, job: JobConfig, port: int) -> float:
             trainer = Trainer(job, info, CPU, task, checkpoints, MetricsLog(None), heartbeat=beat,
                               on_step=trackers.on_step(lambda record: None))
             # the final eval and checkpoint are outside the timed window (samples_per_s excludes them)
-            rate = float(trainer.fit()["samples_per_s"])
+            rate = trained_rate(trainer.fit(), job)
         beat.close()
     return rate
 
@@ -126,15 +127,28 @@ def _minimal_rate(rank: int, job: JobConfig, port: int) -> float:
     return samples * job.trainer.max_steps / (time.perf_counter() - start)
 
 
-def spawn_rate(rank_fn: Callable[..., None], *args: Any) -> float:
-    """Run `rank_fn(rank, *args, queue)` on WORLD spawned ranks; rank 0 puts its samples/s in the queue."""
+def spawn_rate(side: str, rank_fn: Callable[..., None], *args: Any) -> float:
+    """Run `rank_fn(rank, *args, queue)` on WORLD spawned ranks; rank 0 puts its samples/s in the queue. A rank
+    that fails stops the bench naming `side` (`sides.fail`)."""
     queue = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(rank_fn, args=(*args, queue), nprocs=WORLD, join=True)
+    try:
+        mp.spawn(rank_fn, args=(*args, queue), nprocs=WORLD, join=True)
+    except Exception as err:  # a rank's exception, re-raised here with its traceback as the message
+        fail(side, last_line(str(err)))
     return float(queue.get())
 
 
+def trained_rate(result: dict[str, Any], job: JobConfig) -> float:
+    """The samples/s of a `Trainer.fit` result that trained every step; RuntimeError otherwise (a trainer that
+    stopped early is fast, and no measure of the trainer)."""
+    if result["status"] != "completed" or result["steps"] != job.trainer.max_steps:
+        raise RuntimeError(f"the trainer ended {result['status']} at step {result['steps']} of "
+                           f"{job.trainer.max_steps}")
+    return float(result["samples_per_s"])
+
+
 def run(kind: str, job: JobConfig, port: int) -> float:
-    return spawn_rate(_rank, kind, job, port)
+    return spawn_rate(kind, _rank, kind, job, port)
 
 
 def data_rate(job: JobConfig, steps: int) -> float:

@@ -57,7 +57,7 @@ class RunningJob:
 
     def local_rank_pids(self) -> dict[int, int]:
         """rank → pid of the ranks of the local job's current attempt (children of its controller)."""
-        controllers = re.findall(r"local job (\d+)", self.output())
+        controllers = re.findall(r"submitit job (\d+)", self.output())
         assert controllers, self.output()
         controller = controllers[-1]
         ranks = {}

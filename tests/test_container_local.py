@@ -52,7 +52,7 @@ def boxed(request: pytest.FixtureRequest) -> tuple[str, ...]:
 def contained_ranks(job: RunningJob, runtime: str) -> dict[int, int]:
     """rank -> host pid of the local job's ranks that run inside `runtime`'s container (by their environment:
     the job id submitit gives each rank, and the runtime's own mark)."""
-    controller = re.findall(r"local job (\d+)", job.output())[-1].encode()
+    controller = re.findall(r"submitit job (\d+)", job.output())[-1].encode()
     name, value = MARKER[runtime]
     found: dict[int, int] = {}
     for environ in Path("/proc").glob("[0-9]*/environ"):
@@ -205,6 +205,27 @@ def test_a_ch_run_image_without_a_mount_s_directory_is_refused(tmp_path: Path) -
     assert not run_dir.exists()
 
 
+@pytest.mark.parametrize(
+    ("image", "said"),
+    [("localhost/gpujobs-no-such-image:1", "allowed an image in podman's storage on this machine (`podman image "
+                                           "exists` says it is not there: podman pull or podman load it first)"),
+     ("Not::A/Reference", "allowed an image reference podman reads (podman image exists: Error: invalid reference "
+                          "format)")],
+)
+def test_a_podman_image_that_is_not_here_is_one_line_at_submit(tmp_path: Path, image: str, said: str) -> None:
+    """podman is asked first (`podman image exists`): before, the ranks started and died of `invalid reference
+    format` (exit 1) in each container."""
+    if shutil.which("podman") is None:
+        missing("podman (Debian packages podman and crun)")
+    run_dir = tmp_path / "run"
+    proc = submit(run_dir, "+experiment=rec", "+debug=tiny", "cluster=local", "container=podman",
+                  f"container.image={image}")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    (line,) = proc.stderr.splitlines()
+    assert line == f"gpujobs: config error: container.image={image!r} is invalid: {said}", line
+    assert "local job" not in proc.stdout and not run_dir.exists()
+
+
 def test_the_podman_and_apptainer_words_are_their_documented_options(tmp_path: Path) -> None:
     """Podman's options, checked against `podman run --help` here; apptainer (not installed here) gets the
     words its Slurm step has. GPUs through CDI; `--userns=keep-id` only for a user who is not root."""
@@ -269,6 +290,6 @@ def test_the_time_limit_gives_an_agreed_checkpoint_that_the_next_attempt_resumes
 
 def _attempt_2_rank_0_log(job: RunningJob) -> str:
     """What rank 0 of the local job's second attempt has logged so far ('' before it starts)."""
-    found = re.search(r"local job (\d+) \(attempt 2\)", job.output())
+    found = re.search(r"\(attempt 2, submitit job (\d+)\)", job.output())
     log = job.run_dir / "submitit" / f"{found[1]}_0_log.err" if found else None
     return log.read_text() if log is not None and log.exists() else ""

@@ -2,14 +2,18 @@
 with the bounds its schema declares; the README is short and its links lead somewhere; the README and the
 pages name only config keys and modules the code has.
 
-The site itself is built once, by scripts/test.sh (`mkdocs build --strict`: a broken link or a missing page
-fails it); these tests call the same generator (docs/hooks/reference.py) without building.
+scripts/test.sh builds the site (`mkdocs build --strict`: a broken link or a missing page fails it); most
+tests call the same generator (docs/hooks/reference.py) without building, and the `site` ones read a real
+`mkdocs build --strict` of it: what a reader sees, not what the generator meant.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import html
 import importlib.util
+import os
 import re
 import subprocess
 import sys
@@ -136,3 +140,99 @@ def test_the_pages_and_the_readme_name_only_keys_and_modules_the_code_has() -> N
     written = [README, *sorted((REPO / "docs").rglob("*.md"))]
     stale = {str(p.relative_to(REPO)): names for p in written if (names := generator.stale_names(p.read_text(), known))}
     assert stale == {}
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The site as `mkdocs build --strict` makes it (its reference pages generated from the code)."""
+    out = tmp_path_factory.mktemp("site")
+    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)], cwd=REPO,
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+def shown(page: Path) -> str:
+    """A built page's text as a reader sees it: its article, tags dropped, entities read."""
+    body = page.read_text()
+    body = body[body.find("<article"):body.find("</article>")]
+    return html.unescape(re.sub(r"<[^>]+>", "", body))
+
+
+def our_names() -> tuple[set[str], set[str]]:
+    """The names a reader should never meet in the reference: the module-level classes and constants of our
+    packages written as code is (`SyntheticClicksConfig`, `MAX_WAIT_S`, `_MEM_GB`), not as words are; and every
+    class name, which `Backend.follows` names an attribute of."""
+    names, classes = set(), set()
+    for package in ("gpujobs", "jobs", "hydra_plugins"):
+        for path in (REPO / package).rglob("*.py"):
+            for node in ast.parse(path.read_text()).body:
+                if isinstance(node, ast.ClassDef):
+                    classes.add(node.name)
+                targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+                names.update(t.id for t in targets if isinstance(t, ast.Name))
+    camel = re.compile(r"(?:[A-Z][a-z0-9]+){2,}")
+    names = {n for n in names | classes if n.startswith("_") or ("_" in n and n.isupper()) or camel.fullmatch(n)}
+    return names, classes
+
+
+def test_the_built_site_shows_no_attribute_list_as_text(site: Path) -> None:
+    """`model._target_{#model-dlrm-target}` was a heading's text: an id that Markdown read as emphasis."""
+    pages = sorted(site.rglob("*.html"))
+    assert len(pages) > 20
+    shows = [str(page.relative_to(site)) for page in pages if "{#" in shown(page)]
+    assert shows == []
+
+
+def test_the_reference_names_no_internal_names(site: Path) -> None:
+    """The config, command and exit-code pages speak of keys, commands and values: no class or constant of the
+    code (a `_target_`'s value names its schema, as `--cfg job` prints it: that is a value, and stays)."""
+    names, classes = our_names()
+    assert {"SyntheticClicksConfig", "MAX_WAIT_S", "_MEM_GB"} <= names and "Backend" in classes  # the walk sees them
+    leaks = {}
+    for page in ("config", "cli"):
+        text = shown(site / "reference" / page / "index.html")
+        text = re.sub(r"default (?:jobs|gpujobs)\.[\w.]+", "", text)  # a _target_'s value
+        words = set(re.findall(r"\b_?[A-Za-z][A-Za-z0-9_]*", text))
+        dotted = set(re.findall(r"\b([A-Z]\w+)\.[a-z_]\w*", text))
+        found = sorted((words & names) - {"_target_"}) + sorted(dotted & classes)
+        if found:
+            leaks[page] = found
+    assert leaks == {}
+
+
+def test_the_reference_names_every_key_command_and_exit_code(site: Path) -> None:
+    from gpujobs.cli.main import COMMANDS, PROG
+
+    config = shown(site / "reference" / "config" / "index.html")
+    printed = cfg_job_keys(*REC) | cfg_job_keys(*OTHERS)
+    printed = {key for key in printed if not any(other.startswith(key + ".") for other in printed)}
+    assert sorted(key for key in printed if key not in config) == []
+    cli = shown(site / "reference" / "cli" / "index.html")
+    assert [name for name in COMMANDS if f"{PROG} {name}" not in cli] == []
+    exits = shown(site / "reference" / "exit-codes" / "index.html")
+    rows = re.findall(r"^(EXIT_[A-Z_]+)\s*\n?\s*(\d+)\s*\n?\s*([\w.]+)\s*\n?(.*)$", exits, re.M)
+    constants = {f"{name} {module}": meaning.strip() for name, _, module, meaning in rows}
+    assert {"EXIT_BAD_INPUT gpujobs.cli.main", "EXIT_REFUSED gpujobs.cli.submit"} <= set(constants), exits
+    assert [row for row, meaning in constants.items() if not meaning] == []  # each says what it means
+    assert "143 SIGTERM" in exits and "130 Ctrl-C" in exits, exits  # an interrupted launcher's 128 + N
+
+
+def test_the_home_page_maps_every_guide_and_concept_of_the_site() -> None:
+    """index.md's site map links every page the nav lists under Guides and Concepts (it left out the
+    containers, Kubernetes and Criteo guides)."""
+    nav = yaml.safe_load((REPO / "mkdocs.yml").read_text())["nav"]
+    listed = [page for part in nav if isinstance(part, dict) for title, pages in part.items()
+              if title in ("Guides", "Concepts") for entry in pages for page in entry.values()]
+    assert len(listed) > 15
+    site_map = (REPO / "docs" / "index.md").read_text().split("## This site", 1)[1]
+    assert [page for page in listed if f"]({page})" not in site_map] == []
+
+
+def test_no_page_speaks_of_how_the_project_was_made() -> None:
+    """The README and the site speak of gpujobs, not of the work that made it (issues, sessions, who was lent
+    what)."""
+    making = re.compile(r"\b(?:issue \d+|sessions?|no task so far|was lent|(?:the )?lead engineer)\b", re.I)
+    said = {str(p.relative_to(REPO)): found for p in [README, *sorted((REPO / "docs").rglob("*.md"))]
+            if (found := making.findall(p.read_text()))}
+    assert said == {}

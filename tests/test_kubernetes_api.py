@@ -50,10 +50,13 @@ def submit(tmp_path: Path, *overrides: str, config: str = "kubeconfig") -> subpr
 
 
 def submitted(proc: subprocess.CompletedProcess[str]) -> tuple[str, str]:
-    """(namespace, name) of the JobSet a submit's last stdout line names."""
+    """(namespace, name) of the JobSet a submit's stdout names, before its closing lines: the run dir and the
+    commands that read it, a queued JobSet's `cancel` among them."""
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    line = proc.stdout.strip().splitlines()[-1]
+    lines = proc.stdout.strip().splitlines()
+    line, run_dir = lines[-6], lines[-5]
     assert line.startswith("gpujobs: submitted JobSet ml/"), line
+    assert run_dir.startswith("gpujobs: run dir ") and lines[-2].startswith("  gpujobs cancel "), lines[-5:]
     namespace, name = line.split()[3].rstrip(";").split("/")
     return namespace, name
 

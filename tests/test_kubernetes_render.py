@@ -13,6 +13,8 @@ import copy
 import math
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +37,7 @@ K8S_VERSION = "1.37.0"  # the newest schemas kubernetes-validate 1.37.0 ships
 MOUNT = "/mnt/runs"
 IMAGE = "registry.example.com/team/rec:1"
 KUBE = ("+experiment=rec", "cluster=kubernetes", "cluster.dry_run=true", f"cluster.volume.mount_path={MOUNT}",
-        "cluster.volume.claim=team-runs", "container=podman", f"container.image={IMAGE}")
+        "cluster.volume.claim=team-runs", f"container.image={IMAGE}")  # the image alone: the kubelet runs it
 #: Every placement key set, so that the golden files show each where it lands.
 PLACED = ("cluster.namespace=ml", "cluster.queue=team-a", "cluster.priority_class=high",
           "cluster.service_account=trainer", "cluster.node_selector={nvidia.com/gpu.product: H100-SXM}",
@@ -232,7 +234,7 @@ def test_the_failure_policy_tells_an_eviction_from_bad_input_from_a_failure() ->
         ("cluster.volume.claim=Team_Runs", "cluster.volume.claim"),
         ("cluster.volume.claim=null", "cluster.volume.claim"),
         ("cluster.volume.mount_path=runs", "cluster.volume.mount_path"),
-        ("container=none", "container.image"),
+        ("container.image=null", "container.image"),
         ("container.mounts=[/tmp:/data]", "container.mounts"),
         ("resources.min_nodes=1", "resources.min_nodes"),
         ("cluster.dry_run=false", "cluster.dry_run"),
@@ -289,21 +291,23 @@ def test_a_run_dir_off_the_volume_is_refused(tmp_path: Path) -> None:
 
 
 def test_a_dry_run_prints_the_jobset_alone_and_leaves_nothing(tmp_path: Path) -> None:
+    """`container.image` alone (no runtime: the kubelet runs it); the volume's mount path, which Hydra made
+    above the run dir, goes with it."""
     run_dir = tmp_path / "runs" / "rec"
-    run_dir.parent.mkdir()
     overrides = (*KUBE, f"cluster.volume.mount_path={tmp_path / 'runs'}", "resources.nodes=2")
-    proc = submit(run_dir, *overrides)
+    assert "container=podman" not in overrides
+    cmd = [sys.executable, "-m", "gpujobs.submit", f"hydra.run.dir={run_dir}", *overrides]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     manifest = yaml.safe_load(proc.stdout)  # stdout is the YAML and nothing else
     assert manifest == js.jobset(compose_job(*overrides), run_dir)
+    assert manifest["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"][0][
+        "image"] == IMAGE
     validate(manifest)
-    assert not run_dir.exists()
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_dry_run_sweep_prints_one_jobset_a_point(tmp_path: Path) -> None:
-    import subprocess
-    import sys
-
     sweep_dir = tmp_path / "runs" / "sweep"
     cmd = [sys.executable, "-m", "gpujobs.submit", "-m", f"hydra.sweep.dir={sweep_dir}", *KUBE,
            f"cluster.volume.mount_path={tmp_path / 'runs'}", "resources.nodes=1,2"]

@@ -7,7 +7,10 @@ config (CPU, deterministic settings).
 from __future__ import annotations
 
 import os
+import re
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -41,6 +44,41 @@ def test_usr2_to_one_rank_stops_all_at_the_same_step_and_loses_nothing(tmp_path:
     # writes the one in flight, and each log step (every 3) of both attempts has exactly one line
     train = [record["step"] for record in read_metrics(run_dir) if record["kind"] == "train"]
     assert train == list(range(3, 61, 3)), train
+
+
+def test_usr2_to_the_pid_the_submit_printed_preempts_and_gpujobs_logs_follows_both_attempts(
+    tmp_path: Path, straight_digest: str
+) -> None:
+    """The pid a local submit prints takes `kill -USR2 PID` as a preemption (an agreed checkpoint, `preempted`
+    in the ledger), and the run completes; `gpujobs logs RUN --rank 0` prints a local rank's log, and with
+    --follow, started before the stop, goes on into the next attempt's file until the run is over."""
+    run_dir = tmp_path / "run"
+    job = RunningJob(run_dir, *SLOW)
+    job.wait_for_step(15)
+    printed = re.search(r"^gpujobs: local job (\d+): `kill -USR2 (\d+)` preempts it", job.output(), re.M)
+    assert printed and printed[1] == printed[2] == str(job.proc.pid), job.output()
+    follow = subprocess.Popen([sys.executable, "-m", "gpujobs", "logs", str(run_dir), "--rank", "0", "--err",
+                               "--follow"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        os.kill(int(printed[1]), signal.SIGUSR2)
+        assert job.wait() == 0, job.output()
+        followed, said = follow.communicate(timeout=60)
+    finally:
+        follow.kill()
+    first, second = attempts(run_dir)
+    assert first["reason"] == "preempted" and first["saved"].endswith(f"step_{first['steps_done']:08d}"), first
+    assert second["reason"] == "completed" and second["resumed_from"] == first["saved"], second
+    assert read_result(run_dir)["param_digest"] == straight_digest
+    assert follow.returncode == 0, said
+    ended = followed.index("[rank 0] attempt 1 ended: preempted")
+    assert followed.index(f"[rank 0] resumed from {first['saved']}") > ended, followed
+    assert "[rank 0] attempt 2 ended: completed" in followed, followed
+    assert followed.rstrip().endswith("Exiting after successful completion"), followed  # to its end
+    logs = subprocess.run([sys.executable, "-m", "gpujobs", "logs", str(run_dir), "--rank", "0"], capture_output=True,
+                          text=True, timeout=60)
+    assert logs.returncode == 0 and "global_rank=0(2)" in logs.stdout, logs.stdout + logs.stderr
+    attempt_2 = re.findall(r"\(attempt 2, submitit job (\d+)\)", job.output())
+    assert attempt_2 and f"job_id={attempt_2[0]}," in logs.stdout, logs.stdout  # the last attempt's log
 
 
 def test_three_ranks_stopped_and_resumed_end_bit_identical_to_the_straight_run(

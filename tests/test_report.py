@@ -14,10 +14,10 @@ import pytest
 from conftest import REPO, submit
 from fake_nvml import FakeGpu, install
 
-from gpujobs.cli.report import plan_history
+from gpujobs.cli.report import loss_figure, plan_history
 from gpujobs.rank.observe.gpu_sampler import GpuSampler
 from gpujobs.rundir.gpu_files import gpu_file
-from gpujobs.rundir.records import CheckpointRecord, PlanRecord, TrainRecord, read_metrics
+from gpujobs.rundir.records import CheckpointRecord, EvalRecord, PlanRecord, TrainRecord, read_metrics
 
 TINY = ("+experiment=rec", "+debug=tiny", "cluster=local")
 
@@ -25,6 +25,33 @@ TINY = ("+experiment=rec", "+debug=tiny", "cluster=local")
 def report(run_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "gpujobs.report", str(run_dir), *args], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
+
+
+def test_each_eval_score_has_its_own_axis_and_counts_are_not_plotted(run_dir: Path) -> None:
+    """The records of a real tiny run: AUC, log-loss and the oracle's AUC each on an axis of their own, and
+    `eval_rows` (2048 here, 50,000 by default) on none, where it flattened the scores to a line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    proc = submit(run_dir, *TINY)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    records = read_metrics(run_dir)
+    train = [r for r in records if isinstance(r, TrainRecord)]
+    evals = [r for r in records if isinstance(r, EvalRecord)]
+    assert evals and all("eval_rows" in r.metrics for r in evals), evals
+    fig = loss_figure(plt, train, evals)
+    try:
+        titled = {ax.get_title(): ax for ax in fig.axes}
+        assert list(titled) == ["training loss", "eval auc", "eval logloss", "eval oracle_auc"], list(titled)
+        for key in ("auc", "logloss", "oracle_auc"):
+            (line,) = titled[f"eval {key}"].get_lines()  # one metric an axis
+            assert list(line.get_ydata()) == [r.metrics[key] for r in evals]
+        low, high = titled["eval auc"].get_ylim()
+        assert high < 1.5, (low, high)  # scaled to AUC, not to a count of rows
+    finally:
+        plt.close(fig)
 
 
 def test_report_plots_a_real_run(run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:

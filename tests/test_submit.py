@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +32,7 @@ from conftest import REPO, submit
         "cluster.signal_lead_s=70000",
         "resources.mem_gb=0.0001",  # would have rendered --mem=0M: the whole node
         "+nccl.extra.NCCL_IB_DISABLE=maybe",
+        "container.image=registry.example.com/rec:1",  # an image alone runs only where the kubelet runs it
     ],
 )
 def test_bad_config_one_line_exit_2_no_run_dir(run_dir: Path, override: str) -> None:
@@ -151,3 +155,91 @@ def test_a_template_dir_without_the_template_is_one_line_exit_2(
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "GPUJOBS_SBATCH_TEMPLATES=" in lines[0] and "job.sbatch.j2" in lines[0], proc.stderr
     assert not run_dir.exists()
+
+
+# ---------------------------------------------------------------- the first hour (issue 40)
+
+
+@pytest.mark.parametrize(
+    ("override", "starts"),
+    [
+        ("optim.lrr=0.1", "optim.lrr='0.1' is invalid: did you mean optim.lr? allowed a key of optim: name, lr, "),
+        ("+optim.lrr=0.1", "optim.lrr=0.1 is invalid: did you mean optim.lr? allowed keys of optim: name, lr, "),
+        ("model.embeding_dim=8", "model.embeding_dim='8' is invalid: did you mean model.embedding_dim? allowed "),
+        ("trainr.max_steps=3", "trainr.max_steps='3' is invalid: did you mean trainer.max_steps? allowed "),
+        ("+checkpoint.asinc=true", "checkpoint.asinc=True is invalid: did you mean checkpoint.async? allowed "),
+        ("optim.zzz=1", "optim.zzz='1' is invalid: allowed a key of optim: "),  # nothing close: no guess
+    ],
+)
+def test_an_unknown_key_says_the_key_it_likely_meant_before_the_list(
+    run_dir: Path, override: str, starts: str
+) -> None:
+    proc = submit(run_dir, "+experiment=rec", "cluster=local", override)
+    assert proc.returncode == 2, proc.stderr
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith(f"gpujobs: config error: {starts}"), line
+    assert not run_dir.exists()
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ("trainer.max_steps=abc",),
+        ("data=criteo", "data.store=no-such-store", "data.train_files=a.tsv", "data.eval_files=b.tsv"),
+        ("cluster=slurm",),  # no sbatch here: refused at preflight, after Hydra made the run dir
+    ],
+)
+def test_a_refused_submit_from_an_empty_directory_leaves_it_empty(tmp_path: Path, overrides: tuple[str, ...]) -> None:
+    """Hydra makes `outputs/rec/<time>/` before the config is checked: a refusal takes back all three."""
+    proc = subprocess.run([sys.executable, "-m", "gpujobs.submit", "+experiment=rec", *overrides], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PATH": _python_only(tmp_path)})
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert [p.name for p in tmp_path.iterdir()] == ["bin"]  # only the test's own PATH
+
+
+def _python_only(tmp_path: Path) -> str:
+    """A PATH holding only `python` (this interpreter): no sbatch, no scontrol, no srun, nothing else."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "python").symlink_to(sys.executable)
+    return str(bin_dir)
+
+
+def test_the_slurm_dry_run_with_only_python_on_path_prints_the_script(tmp_path: Path) -> None:
+    """A laptop without Slurm: the preflight's cluster questions are skipped, in one line, and the script that
+    would be queued is printed; nothing is left in the submit directory."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "gpujobs.submit", "+experiment=rec", "cluster=slurm", "cluster.dry_run=true",
+         "cluster.partition=gpu", "resources.gpus_per_node=4"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120, env={**os.environ, "PATH": _python_only(tmp_path)})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.startswith("#!/bin/bash\n"), proc.stdout
+    assert "#SBATCH --partition=gpu\n" in proc.stdout and "#SBATCH --gpus-per-node=4\n" in proc.stdout, proc.stdout
+    said = [line for line in proc.stderr.splitlines() if line.startswith("gpujobs:")]
+    assert said == ["gpujobs: no `sbatch` on PATH: the dry run skips the cluster's checks (partition, nodes, GPUs, "
+                    "time, account, qos)"], proc.stderr
+    assert [p.name for p in tmp_path.iterdir()] == ["bin"]
+
+
+def test_the_readme_first_command_prints_its_next_steps(tmp_path: Path) -> None:
+    """The README's first command, as written there, run from an empty directory: it ends with the run dir and
+    the commands that read it, each of which works there."""
+    readme = (REPO / "README.md").read_text()
+    first = readme.split("## Two commands", 1)[1].split("```bash\n", 1)[1].split("\n", 1)[0]
+    words = shlex.split(first.rsplit("&& ", 1)[1])
+    assert words[:3] == ["python", "-m", "gpujobs.submit"], first
+    proc = subprocess.run([sys.executable, *words[1:]], cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (run_dir,) = (tmp_path / "outputs" / "rec").iterdir()
+    pid = re.search(r"^gpujobs: local job (\d+): `kill -USR2 (\d+)` preempts it", proc.stdout, re.M)
+    assert pid and pid[1] == pid[2], proc.stdout
+    tail = proc.stdout.splitlines()[-4:]
+    where = f"outputs/rec/{run_dir.name}"
+    assert tail == [f"gpujobs: run dir {run_dir}; next:", f"  gpujobs status {where}",
+                    f"  gpujobs logs {where} --rank 0", f"  gpujobs report {where}"], proc.stdout
+    for line in tail[1:]:
+        said = subprocess.run([sys.executable, "-m", "gpujobs.cli.main", *shlex.split(line)[1:]], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=120)
+        assert said.returncode == 0 and said.stdout, (line, said.stdout, said.stderr)

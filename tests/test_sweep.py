@@ -355,6 +355,10 @@ def test_a_local_sweep_run_again_with_another_value_is_refused_before_any_point_
     first = sweep(sweep_dir, *local, "optim.lr=1e-3,3e-3", env={})
     assert first.returncode == 0, first.stdout + first.stderr
     assert (sweep_dir / "1" / "checkpoints").is_dir() and (sweep_dir / "sweep.json").exists()
+    # a sweep ends with its sweep dir and the commands that read it (submitted from its parent: `sw5`)
+    said = first.stdout.splitlines()[-4:]
+    assert said == [f"gpujobs: sweep dir {sweep_dir}; next:", "  gpujobs status sw5",
+                    "  gpujobs logs sw5 --point 0 --rank 0", "  gpujobs cost sw5"], first.stdout
     before = files_of(sweep_dir)
 
     again = sweep(sweep_dir, *local, "optim.lr=1e-3,1e-2", env={})

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import enum
 import html
 import importlib
 import inspect
@@ -124,10 +125,13 @@ def _unwrap(hint: Any) -> tuple[Any, bool]:
 
 
 def type_text(hint: Any) -> str:
-    """A field's type in words: `int`, `list of int`, `map of str to float`, `float or null`."""
+    """A field's type in words: `int`, `list of int`, `map of str to float`, `float or null`; a choice (an enum
+    of the schema) is `str`, its values in `allowed`."""
     inner, optional = _unwrap(hint)
     origin, args = typing.get_origin(inner), typing.get_args(inner)
-    if origin is list:
+    if isinstance(inner, type) and issubclass(inner, enum.Enum):
+        text = "str"
+    elif origin is list:
         text = f"list of {type_text(args[0])}"
     elif origin is dict:
         text = f"map of {type_text(args[0])} to {type_text(args[1])}"
@@ -199,10 +203,11 @@ def sections(schema: type[Any], prefix: str = "", title: str = "", anchor: str =
         elif inner is Any and not prefix:  # a plug-in (`model`, `data`): the schemas its config group can select
             nested += [(s, key, f"{key}={option}", f"{key}-{option}") for option, s in plugin_schemas(key)]
         else:
-            entries.append(Entry(key, f"{anchor}-{name}", type_text(hints[f.name]), default_text(f),
+            # `_target_` as an id would read as emphasis (`{#model-dlrm-_target_}` shown as written)
+            entries.append(Entry(key, f"{anchor}-{name.strip('_')}", type_text(hints[f.name]), default_text(f),
                                  allowed(f, hints[f.name]), docs.get(f.name, "")))
-    intro = inspect.cleandoc(schema.__doc__ or "")
-    yield Section(title, anchor, f"{intro}\n\nSchema: `{schema.__module__}.{schema.__qualname__}`.", entries)
+    # the schema's docstring, not its class name: a reader writes keys, not Python (the modules page has those)
+    yield Section(title, anchor, inspect.cleandoc(schema.__doc__ or ""), entries)
     for inner, key, sub_title, sub_anchor in nested:
         yield from sections(inner, key + ".", sub_title, sub_anchor)
 

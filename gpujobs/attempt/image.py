@@ -30,7 +30,7 @@ _INSPECT_TIMEOUT_S = 30.0
 def image_fields(container: ContainerConfig) -> dict[str, str]:
     """An attempt line's image fields for a job with `container`: none without one; `image`, and
     `image_id` where the launcher resolved one for this attempt (Podman)."""
-    if container.runtime == Runtime.none or not container.image:
+    if not container.image:  # a runtime's, or (cluster=kubernetes) the pods' image, run by the kubelet
         return {}
     fields = {"image": container.image}
     # only Podman's launcher sets it: any other job ignores a value left in the environment it was submitted from

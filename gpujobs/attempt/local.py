@@ -3,6 +3,10 @@
 One process per GPU with NCCL where there are GPUs, else `procs_per_node` CPU processes with gloo.
 The launcher stays in the foreground, shows rank 0's progress, and restarts the job from its last
 checkpoint after a failure, up to `cluster.max_restarts` times.
+
+A local job is known by its launcher's pid (`local job PID`, as its lease names it): the one process that
+takes `kill -USR2 PID` as a preemption (`LauncherSignals`). Each attempt's submitit job (its controller's
+pid, which names the ranks' log files) is named `submitit job N`: a USR2 to that controller would kill it.
 """
 
 from __future__ import annotations
@@ -67,6 +71,8 @@ def run_local(job: JobConfig, run_dir: Path) -> int:
     executor.parameters["visible_gpus"] = tuple(gpu.uuid for gpu in gpus)
     attempts = AttemptLog(run_dir)
     launcher = (os.getpid(), process_start(os.getpid()))
+    print(f"gpujobs: local job {os.getpid()}: `kill -USR2 {os.getpid()}` preempts it (an agreed checkpoint, "
+          "then the next attempt), Ctrl-C stops it", flush=True)
     with JobFollower(run_dir, job) as follower, LauncherSignals() as signals:
         sjob: Any = None  # the attempt running now (None: none started yet)
         before, started = 0, 0.0
@@ -104,7 +110,8 @@ def _follow_attempt(job: JobConfig, run_dir: Path, executor: Any, gpus: list[Gpu
     # not show yet; here the disk is local, and a rank that stopped to be requeued leaves none.
     skip_results_wait(sjob)
     print(
-        f"gpujobs: local job {sjob.job_id} (attempt {before + 1}): {res.ranks_per_node} ranks, "
+        f"gpujobs: local job {os.getpid()} (attempt {before + 1}, submitit job {sjob.job_id}): "
+        f"{res.ranks_per_node} ranks, "
         f"{'nccl' if res.gpus_per_node else 'gloo'}{f' on GPUs {[g.index for g in gpus]}' if gpus else ''}, "
         f"run dir {run_dir}",
         flush=True,
@@ -268,7 +275,7 @@ def _record_interrupt(job: JobConfig, attempts: AttemptLog, before: int, sjob: A
     if len(attempts.read()) == before:
         record_or_say(attempts, job, "cancelled", recorded_by="launcher", start=round(started, 3),
                       world_size=job.resources.ranks_per_node, error=f"the launcher got {name}")
-    print(f"\ngpujobs: interrupted ({name}): local job {sjob.job_id} killed; its checkpoints stay in "
+    print(f"\ngpujobs: interrupted ({name}): local job {os.getpid()} killed; its checkpoints stay in "
           f"{attempts.run_dir}, "
           "and the same command resumes from the last one", flush=True)
     return 128 + signum
@@ -279,7 +286,7 @@ def _kill_local_job(sjob: Any) -> None:
     controller = int(sjob.job_id)
     left = kill_tree([*local_job_processes(controller), controller])
     if left:
-        print(f"gpujobs: processes {left} of local job {sjob.job_id} outlived SIGKILL", flush=True)
+        print(f"gpujobs: processes {left} of submitit job {sjob.job_id} outlived SIGKILL", flush=True)
 
 
 def _kill_left(sjob: Any) -> None:
@@ -290,4 +297,4 @@ def _kill_left(sjob: Any) -> None:
         return  # the launcher was interrupted: `_kill_local_job` takes the whole job
     left = kill_tree(local_job_processes(int(sjob.job_id), below=False))
     if left:
-        print(f"gpujobs: processes {left} of local job {sjob.job_id} outlived SIGKILL", flush=True)
+        print(f"gpujobs: processes {left} of submitit job {sjob.job_id} outlived SIGKILL", flush=True)

@@ -58,6 +58,9 @@ class Backend(ABC):
     """It queues a script, which `render` gives and a dry run prints."""
     container_runtimes: ClassVar[frozenset[str]] = frozenset()
     """The `container=` runtimes its ranks run in (none is always run; another is refused at preflight)."""
+    runs_images: ClassVar[bool] = False
+    """It runs `container.image` itself, with no runtime picked (Kubernetes' kubelet); elsewhere an image
+    without a runtime would be ignored, and is refused at preflight."""
     queues_arrays: ClassVar[bool] = False
     """A sweep's points are queued together as job arrays (`gpujobs.launch.sweep.submit_arrays`). A
     scheduler without arrays gets one `submit` a point; a backend that does not queue runs them here."""

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import difflib
+from collections.abc import Iterable, Sequence
+from typing import Optional
 
 
 class GpujobsError(Exception):
@@ -14,21 +16,36 @@ class GpujobsError(Exception):
 
 
 class ConfigError(GpujobsError, ValueError):
-    """A config value is invalid; the message names the key, the value and what is allowed."""
+    """A config value is invalid; the message names the key, the value and what is allowed.
 
-    def __init__(self, key: str, value: object, allowed: str) -> None:
+    `suggestion` (the full key an unknown key likely meant: `closest_key`) is said first, as
+    `did you mean optim.lr?`: a typo's fix reads at once, before the list of every key.
+    """
+
+    def __init__(self, key: str, value: object, allowed: str, suggestion: Optional[str] = None) -> None:
         self.key = key
         self.value = value
         self.allowed = allowed
-        super().__init__(f"{key}={value!r} is invalid: allowed {allowed}")
+        self.suggestion = suggestion
+        meant = f"did you mean {suggestion}? " if suggestion else ""
+        super().__init__(f"{key}={value!r} is invalid: {meant}allowed {allowed}")
 
     def __reduce__(self) -> tuple[type[ConfigError], tuple[object, ...]]:
         # rebuilt from its parts, not its message: a worker process's error reaches its parent whole
-        return (type(self), (self.key, self.value, self.allowed))
+        return (type(self), (self.key, self.value, self.allowed, self.suggestion))
 
     def under(self, prefix: str) -> ConfigError:
         """The same error with its key placed under `prefix` (e.g. "model")."""
-        return ConfigError(f"{prefix}.{self.key}", self.value, self.allowed)
+        suggestion = f"{prefix}.{self.suggestion}" if self.suggestion else None
+        return ConfigError(f"{prefix}.{self.key}", self.value, self.allowed, suggestion)
+
+
+def closest_key(name: str, keys: Iterable[object]) -> Optional[str]:
+    """The one of `keys` that an unknown key `name` most likely meant (difflib's closest), or None where none
+    is close: `lrr` -> `lr`, `embeding_dim` -> `embedding_dim`. The cutoff is above difflib's 0.6, which
+    offers `name` for `namespace`: a wrong guess costs more than none."""
+    found = difflib.get_close_matches(name, [str(key) for key in keys], n=1, cutoff=0.75)
+    return found[0] if found else None
 
 
 class SubmitError(GpujobsError):

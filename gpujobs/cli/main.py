@@ -17,6 +17,7 @@ from typing import Optional
 
 PROG = "gpujobs"
 DESCRIPTION = "Hydra config -> preemption-safe PyTorch DDP jobs, on Slurm or on this machine."
+#: `gpujobs` without a subcommand, or with one it does not know: the usage on stderr.
 EXIT_BAD_INPUT = 2
 
 

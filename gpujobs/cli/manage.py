@@ -75,26 +75,35 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _logs(args: argparse.Namespace) -> int:
+    """A rank's log of a queued job (Slurm, Kubernetes) or of a run here (cluster=local: its last attempt's);
+    `--follow` prints on until the job is final, moving to each new attempt's file of a run here."""
     point = manage.select(manage.points_of(args.dir), args.point)[0]
-    if point.job_id is None or point.logs is None:
-        raise GpujobsError(f"{point.run_dir} has no queued job (local runs print their logs as they go)")
-    path = manage.scheduler_of(point).log_path(point.logs, point.job_id, args.rank, err=args.err)
+    path = manage.log_path(point, args.rank, err=args.err)
     if not args.follow:
-        if not path.exists():
-            raise GpujobsError(f"no log yet: {path}")
+        if path is None or not path.exists():
+            raise GpujobsError(f"no log yet: {path or point.run_dir / 'submitit'} (rank {args.rank})")
         _print_from(path, 0, whole=True)
         return 0
     offset, warned = 0, False
     while True:
-        offset = _print_from(path, offset, whole=False)
+        now = manage.log_path(point, args.rank, err=args.err)
+        if now != path:  # a run here started its next attempt: the last one's rest, then the new file
+            if path is not None:
+                _print_from(path, offset, whole=True)
+            path, offset = now, 0
+        if path is not None:
+            offset = _print_from(path, offset, whole=False)
         warning = manage.refresh([point], args.sacct_timeout)
         if warning and not warned:
             print(f"gpujobs: {warning}", file=sys.stderr)
             warned = True
-        if point.final:
-            _print_from(path, offset, whole=True)  # what the job wrote while its state was asked
-            if not path.exists():
-                print(f"gpujobs: {point.job_id} ended ({point.state}) without writing {path}", file=sys.stderr)
+        if point.final and not manage.launcher_live(point):
+            if path is not None:
+                _print_from(path, offset, whole=True)  # what the job wrote while its state was asked
+            if path is None or not path.exists():
+                job = point.job_id or point.run_dir
+                print(f"gpujobs: {job} ended ({point.state}) without writing the log of rank {args.rank}",
+                      file=sys.stderr)
                 return 1
             return 0
         time.sleep(1.0)

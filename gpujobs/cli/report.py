@@ -185,18 +185,33 @@ def plot(metrics: list[MetricsRecord], gpus: list[dict[str, Any]], out: Path) ->
     return figures.written
 
 
-def _plot_loss(figures: _Figures, train: list[TrainRecord], evals: list[EvalRecord]) -> None:
-    fig, (ax_loss, ax_eval) = figures.plt.subplots(1, 2, figsize=(10, 3.8))
+#: Eval keys that count (rows seen), not score: said in the summary, never plotted beside the scores.
+_COUNT_SUFFIXES = ("_rows", "_samples", "_count")
+
+
+def eval_scores(evals: list[EvalRecord]) -> list[str]:
+    """The eval metrics to plot, in name order: every key but the counts (`eval_rows`: 50,000 on AUC's axis
+    would flatten AUC and log-loss to a line)."""
+    return sorted({k for r in evals for k in r.metrics if not k.endswith(_COUNT_SUFFIXES)})
+
+
+def loss_figure(plt: Any, train: list[TrainRecord], evals: list[EvalRecord]) -> Any:
+    """The training loss, then each eval score on an axis of its own (AUC near 0.8 and log-loss near 0.45
+    move by hundredths: on one axis, either would hide the other's change)."""
+    scores = eval_scores(evals)
+    fig, axes = plt.subplots(1, 1 + len(scores), figsize=(4 * (1 + len(scores)), 3.6), squeeze=False)
+    ax_loss = axes[0][0]
     ax_loss.plot([r.step for r in train], [r.loss for r in train], marker=".")
     ax_loss.set(title="training loss", xlabel="step", ylabel="loss")
-    eval_keys = sorted({k for r in evals for k in r.metrics})
-    for key in eval_keys:
+    for ax, key in zip(axes[0][1:], scores, strict=True):
         shown = [r for r in evals if key in r.metrics]
-        ax_eval.plot([r.step for r in shown], [r.metrics[key] for r in shown], marker="o", label=key)
-    ax_eval.set(title="evaluation", xlabel="step")
-    if eval_keys:
-        ax_eval.legend()
-    figures.save(fig, "loss.png")
+        ax.plot([r.step for r in shown], [r.metrics[key] for r in shown], marker="o")
+        ax.set(title=f"eval {key}", xlabel="step", ylabel=key)
+    return fig
+
+
+def _plot_loss(figures: _Figures, train: list[TrainRecord], evals: list[EvalRecord]) -> None:
+    figures.save(loss_figure(figures.plt, train, evals), "loss.png")
 
 
 def _plot_throughput(figures: _Figures, train: list[TrainRecord]) -> None:

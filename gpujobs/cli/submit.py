@@ -1,7 +1,9 @@
 """`python -m gpujobs.submit [overrides]`: compose and validate a config, then launch the job.
 
-Exit codes: 0 the job completed (or was queued), 1 it failed, 2 the config or submission was refused.
-This module never imports torch: the job side does that, in its own processes.
+Exit codes: 0 the job completed (or was queued), 1 it failed, 2 the config or submission was refused,
+128 + N a local job's launcher was stopped by signal N (130 Ctrl-C, 143 SIGTERM, 129 SIGHUP): its job was
+killed, its attempt recorded `cancelled`, and the same command resumes it. This module never imports torch:
+the job side does that, in its own processes.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from gpujobs.base.errors import ConfigError, GpujobsError
+from gpujobs.base.made_dirs import MadeDirs
 from gpujobs.config.hydra_errors import one_line
 from gpujobs.config.hydra_private import one_composition
 from gpujobs.config.packaged import config_dir
@@ -26,9 +29,13 @@ from gpujobs.launch.sweep import PLANS_SWEEP_POINTS
 
 #: conf/ (the checkout's or the wheel's copy); GPUJOBS_CONFIG_DIR points elsewhere (a team's own config tree).
 CONFIG_DIR = str(config_dir())
+#: The config or the submission was refused before anything ran or was queued: one line said why, and no
+#: directory the submit made is left.
 EXIT_REFUSED = 2
 
 _task_started = False
+_dry_run = False
+"""A point's config asked for a dry run: the submit prints, and leaves no directory behind."""
 
 
 def _refuse(err: GpujobsError, where: str = "") -> NoReturn:
@@ -39,7 +46,7 @@ def _refuse(err: GpujobsError, where: str = "") -> NoReturn:
 
 
 def _task(cfg: DictConfig) -> int:
-    global _task_started
+    global _task_started, _dry_run
     _task_started = True
     from gpujobs.config.load import load_config, override_keys
     from gpujobs.launch import check_paths, launch, resolve_cluster
@@ -56,6 +63,7 @@ def _task(cfg: DictConfig) -> int:
         # unresolved: an override such as `optim.lr=${oops}` is reported by load_config, naming its key
         user_keys = override_keys(OmegaConf.to_container(hydra_cfg.overrides.task, resolve=False))  # type: ignore[arg-type]
         job = resolve_cluster(load_config(cfg, user_keys))
+        _dry_run = _dry_run or job.cluster.dry_run
         check_paths(job, run_dir, Path(hydra_cfg.sweep.dir).absolute() if plan is not None else None)
         if plan is not None:  # a gpujobs sweep: validate and plan this point; the launcher starts them all
             plan.add(job, run_dir, hydra_cfg.job.num, list(hydra_cfg.overrides.task))
@@ -100,8 +108,22 @@ def main(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> None:
     """Entry point; Hydra's own composition errors (bad override syntax, unknown group) exit 2 too.
 
     `argv` (overrides and Hydra's flags) stands in for `sys.argv[1:]` and `prog` for `sys.argv[0]`:
-    Hydra reads only `sys.argv`, so `gpujobs submit` passes its arguments there.
+    Hydra reads only `sys.argv`, so `gpujobs submit` passes its arguments there. A refused submit (exit 2)
+    and a dry run leave no directory that this submit made (the run dir, `outputs/NAME/` above it, ...).
     """
+    made = MadeDirs()
+    try:
+        with made:
+            _main(argv, prog)
+    except SystemExit as exit_:
+        if exit_.code == EXIT_REFUSED or _dry_run:
+            made.remove_empty()
+        raise
+    if _dry_run:
+        made.remove_empty()
+
+
+def _main(argv: Optional[list[str]], prog: Optional[str]) -> None:
     if argv is not None:
         sys.argv = [prog or sys.argv[0], *argv]
     # a run dir is trusted only if no one else may write it (gpujobs.rundir.trust): under a umask of 002

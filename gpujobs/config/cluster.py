@@ -71,7 +71,7 @@ def parse_time_minutes(text: str) -> int:
 
 @dataclass
 class VolumeConfig:
-    """`cluster=kubernetes`: the shared volume the run dir lies on (checked by `ClusterConfig`)."""
+    """`cluster=kubernetes`: the shared volume the run dir lies on."""
 
     claim: Optional[str] = None
     """The ReadWriteMany PersistentVolumeClaim every pod mounts (required with cluster=kubernetes)."""
@@ -112,7 +112,8 @@ class ClusterConfig(Checked):
     )
     """Seconds before the time limit at which the job gets USR2 to checkpoint (below the limit less 30 s)."""
     wait: Optional[bool] = None
-    """Follow the job to its end and exit with its status (default: true locally, false on Slurm: `Backend.follows`)."""
+    """Follow the job to its end and exit with its status (default: true where the job runs here, false where a
+    scheduler queues it: it may wait hours for its nodes)."""
     max_restarts: int = field(default=0, metadata=bounds(ge=0))
     """Failure budget: attempts that failed by themselves (exit code != 0, no signal) that may be retried."""
     max_preemptions: int = field(default=20, metadata=bounds(ge=0))
@@ -210,7 +211,8 @@ class ResourcesConfig(Checked):
     """What one job asks for. One rank per GPU; CPU ranks (gloo) where there is no GPU."""
 
     nodes: int = field(default=1, metadata=bounds(ge=1))
-    """Number of nodes (their ranks, at most `MAX_WORLD_SIZE` in all; Slurm's partition bounds them at submit)."""
+    """Number of nodes (their ranks, at most 2,147,483,647 in all: torch counts ranks in a C int; Slurm's
+    partition bounds them at submit)."""
     gpus_per_node: int = field(default=0, metadata=bounds(ge=0, le=SLURM_MAX_PER_NODE, note=_PER_NODE))
     """GPUs per node; each gets one rank."""
     procs_per_node: Optional[int] = field(default=None, metadata=bounds(ge=1, le=SLURM_MAX_PER_NODE, note=_PER_NODE))
@@ -223,7 +225,8 @@ class ResourcesConfig(Checked):
     ranks; for GPU ranks a node's CPUs / its ranks, at most 8, from the nodes as the preflight sees them (the
     partition's for Slurm, this machine's for a local run); the value is printed and kept in config.yaml."""
     mem_gb: Optional[float] = field(default=None, metadata=_MEM_GB)
-    """Memory per node in GB (default: the cluster's default); at least 1/1024 (1 MiB, see `_MEM_GB`)."""
+    """Memory per node in GB (default: the cluster's default); at least 1/1024 (1 MiB: Slurm's --mem counts whole
+    MiB)."""
     pick_gpus: bool = False
     """Local runs: false uses GPUs 0..gpus_per_node-1; true picks the least-loaded GPUs (NVML)."""
     min_free_gpu_mem_gb: float = field(default=0.0, metadata=bounds(ge=0))

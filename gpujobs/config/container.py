@@ -27,6 +27,8 @@ MOUNT_TEXT = f"HOST:CONTAINER or HOST:CONTAINER:ro, CONTAINER an absolute path, 
 #: Where each runtime's image may be a name (a registry reference, an image in the runtime's storage), not a
 #: file: such an image is not checked here. Anything else names a file or directory the nodes read.
 _URI = re.compile(r"[a-z][a-z0-9+.-]*://")
+#: Why a container key is refused with container=none.
+NO_RUNTIME = "nothing with container=none (pick a runtime: container=pyxis|apptainer|charliecloud|podman|oci)"
 
 
 class Mount(NamedTuple):
@@ -80,8 +82,10 @@ class ContainerConfig(Checked):
     charliecloud (ch-run) | podman | oci (Slurm's srun --container with the site's oci.conf)."""
     image: Optional[str] = None
     """The image: an enroot URI or squashfs file (pyxis), a .sif file or URI (apptainer), an image directory,
-    squashfs file or storage name (charliecloud), an OCI bundle directory (oci). Required unless none; a file
-    is made absolute at submit and must be readable there (the nodes read it through shared storage)."""
+    squashfs file or storage name (charliecloud), a name in podman's storage or a registry's (podman), an OCI
+    bundle directory (oci), an OCI image reference the nodes pull (cluster=kubernetes, with no runtime: the
+    kubelet runs it). Required unless none; a file is made absolute at submit and must be readable there (the
+    nodes read it through shared storage)."""
     mounts: list[str] = field(default_factory=list)
     """More bind mounts, `HOST:CONTAINER` or `HOST:CONTAINER:ro` (HOST made absolute at submit, and it must
     exist; CONTAINER absolute; no `,`). oci: none (its bundle's config.json holds the mounts)."""
@@ -122,12 +126,12 @@ class ContainerConfig(Checked):
                                                      "has no read-only flag)")
 
     def _check_unused(self) -> None:
-        """With container=none a value set here would be silently ignored: refused instead."""
-        for key, value in (("image", self.image), ("mounts", self.mounts), ("workdir", self.workdir),
-                           ("env", self.env), ("gpus", self.gpus)):
+        """With container=none a value set here would be silently ignored: refused instead. The image alone is
+        `JobConfig`'s to judge: cluster=kubernetes takes it with no runtime (the kubelet runs it)."""
+        for key, value in (("mounts", self.mounts), ("workdir", self.workdir), ("env", self.env),
+                           ("gpus", self.gpus)):
             if value:
-                raise ConfigError(key, value, "nothing with container=none (pick a runtime: "
-                                              "container=pyxis|apptainer|charliecloud|podman|oci)")
+                raise ConfigError(key, value, NO_RUNTIME)
 
     @property
     def parsed_mounts(self) -> list[Mount]:

@@ -14,7 +14,7 @@ from hydra.errors import MissingConfigException, OverrideParseException
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from gpujobs.base.errors import ConfigError
+from gpujobs.base.errors import ConfigError, closest_key
 
 _HYDRA_HINT = "Set the environment variable HYDRA_FULL_ERROR=1"
 
@@ -32,7 +32,7 @@ def _flat(text: str) -> str:
 
 
 def _unknown_key(cause: OmegaConfBaseException, overrides: list[str]) -> Optional[str]:
-    """An override of a key the schema does not have: name the keys its parent does have."""
+    """An override of a key the schema does not have: the one it likely meant, and the keys its parent has."""
     parent, missing = cause.parent_node, cause.full_key
     if "not in struct" not in str(cause) or not missing or not isinstance(parent, DictConfig):
         return None
@@ -43,7 +43,9 @@ def _unknown_key(cause: OmegaConfBaseException, overrides: list[str]) -> Optiona
     allowed = f"a key of {where or 'the config'}: {', '.join(str(k) for k in parent)}"
     if key and key != missing:
         allowed = f"{allowed} ({where or 'the config'} has no {cause.key})"
-    return str(ConfigError(key or missing, value or None, allowed))
+    meant = closest_key(str(cause.key), parent)  # the key (or section, in `key`) the user likely meant
+    suggestion = None if meant is None else (f"{where}.{meant}" if where else meant) + (key or missing)[len(missing):]
+    return str(ConfigError(key or missing, value or None, allowed, suggestion))
 
 
 def one_line(err: BaseException, overrides: list[str]) -> str:

@@ -24,7 +24,7 @@ from omegaconf.errors import (
     OmegaConfBaseException,
 )
 
-from gpujobs.base.errors import ConfigError
+from gpujobs.base.errors import ConfigError, closest_key
 from gpujobs.config.modes import Amp, Balance, NcclDebug, NcclPreset, Optimizer, Schedule, Tracker
 from gpujobs.config.schema import (
     CLUSTERS,
@@ -174,8 +174,9 @@ def _merged_section(key: str, schema: type[Any], values: Any) -> Any:
         raise ConfigError(f"{key}.{err.full_key}", "???", "a value: this key is required, set it") from None
     except ConfigKeyError as err:
         bad = str(err.full_key).split(".")[0].split("[")[0]
-        names = ", ".join(f.name for f in dataclasses.fields(schema))
-        raise ConfigError(f"{key}.{bad}", values.get(bad), f"keys of {key}: {names}") from None
+        fields = [f.name for f in dataclasses.fields(schema)]
+        raise ConfigError(f"{key}.{bad}", values.get(bad), f"keys of {key}: {', '.join(fields)}",
+                          _meant(key, closest_key(bad, fields))) from None
     except OmegaConfBaseException as err:
         full_key = str(err.full_key)
         field_name = full_key.split(".")[0].split("[")[0]
@@ -253,6 +254,11 @@ def _lookup(values: dict[str, Any], dotted: str) -> Any:
     return node
 
 
+def _meant(section: str, name: Optional[str]) -> Optional[str]:
+    """The full key of `name` in `section` (None stays None)."""
+    return f"{section}.{name}" if name else None
+
+
 def _aliased(key: str, schema: type[Any], values: Any) -> Any:
     """`_section`, for a section whose keys include a Python keyword (`checkpoint.async`): the key is
     renamed to the schema's field going in, and back in any error coming out."""
@@ -263,11 +269,17 @@ def _aliased(key: str, schema: type[Any], values: Any) -> Any:
     try:
         return _section(key, schema, renamed)
     except ConfigError as err:
+        if err.allowed.startswith(f"keys of {key}:"):  # an unknown key: the likely one among the keys as written
+            written = [next((a for a, f in aliases.items() if f == field.name), field.name)
+                       for field in dataclasses.fields(schema)]
+            bad = err.key.partition(".")[2]
+            err = ConfigError(err.key, err.value, err.allowed, _meant(key, closest_key(bad, written)))
         for alias, name in aliases.items():
             if err.key == f"{key}.{name}":
-                raise ConfigError(f"{key}.{alias}", err.value, err.allowed) from None
+                raise ConfigError(f"{key}.{alias}", err.value, err.allowed, err.suggestion) from None
             if name in err.allowed:
-                err = ConfigError(err.key, err.value, err.allowed.replace(name, alias))
+                suggestion = f"{key}.{alias}" if err.suggestion == f"{key}.{name}" else err.suggestion
+                err = ConfigError(err.key, err.value, err.allowed.replace(name, alias), suggestion)
         raise err from None
 
 
@@ -340,7 +352,8 @@ def _load(raw: dict[str, Any]) -> JobConfig:
     known = {f.name for f in dataclasses.fields(JobConfig)}
     for key in raw:
         if key not in known:
-            raise ConfigError(str(key), raw[key], f"top-level keys: {', '.join(sorted(known))}")
+            raise ConfigError(str(key), raw[key], f"top-level keys: {', '.join(sorted(known))}",
+                              closest_key(str(key), sorted(known)))
     top = {key: raw[key] for key in ("name", "task") if key in raw}
     sections = {key: _aliased(key, schema, raw.get(key)) for key, schema in SECTIONS.items()}
     plugins = {key: _plugin(key, raw.get(key)) for key in PLUGINS}

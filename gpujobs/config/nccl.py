@@ -123,8 +123,8 @@ class NcclSettings(Checked):
     RUN_DIR/hangs/<attempt>/ when the hang watchdog fires (0: no recorder)."""
     extra: dict[str, str] = field(default_factory=dict)
     """Other NCCL_* variables; only names NCCL documents are accepted, on/off ones as 0/1 (true/false ok),
-    and none that a typed field above sets. The files NCCL writes (`OUTPUT_FILE_VARS`) take a bare name,
-    placed in RUN_DIR/nccl/ on every rank."""
+    and none that a typed field above sets. The files NCCL writes (NCCL_DEBUG_FILE, NCCL_GRAPH_DUMP_FILE,
+    NCCL_TOPO_DUMP_FILE) take a bare name, placed in RUN_DIR/nccl/ on every rank."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -104,8 +104,8 @@ class TrainerConfig(Checked):
     """Process-group timeout: a dead rank makes the others fail after this many seconds. With the hang
     watchdog on, at least `hang_slow_phase_s` (and `hang_timeout_s`) + 30 s: the others wait in a collective
     while a rank saves or evaluates, and the watchdog must judge that (and keep the evidence) first. At most
-    `MAX_PG_TIMEOUT_S` (2,147,483 s, 24.8 days): NCCL's heartbeat monitor counts it in 32-bit milliseconds
-    (torch's own deadlines, signed 64-bit nanoseconds on a steady clock, would wrap only past `MAX_WAIT_S`)."""
+    2,147,483 s (24.8 days): NCCL's heartbeat monitor counts it in 32-bit milliseconds (torch's own
+    deadlines, signed 64-bit nanoseconds on a steady clock, would wrap only past 4,611,686,018 s)."""
     hang_timeout_s: int = field(default=300, metadata=bounds(ge=0, le=MAX_WAIT_S))
     """Hang watchdog: an attempt in which no rank changed its step or phase for this many seconds is
     hung; the supervisor takes every rank's stacks, kills the attempt and restarts it from its last
@@ -199,7 +199,7 @@ class TelemetryConfig(Checked):
     gpu: bool = True
     """Sample the node's GPUs (NVML) into gpu.<node>.jsonl, one sampler and one file per node."""
     interval_s: float = field(default=5.0, metadata=bounds(gt=0, le=MAX_WAIT_S))
-    """Seconds between GPU samples (an Event.wait: at most `MAX_WAIT_S`)."""
+    """Seconds between GPU samples (at most 4,611,686,018 s: the sampler's wait counts nanoseconds in 64 bits)."""
     imbalance_threshold: float = field(default=1.25, metadata=bounds(ge=1))
     """Warn when the slowest rank's local step time (data wait + forward) exceeds the median by this factor."""
     prometheus_port: Optional[int] = field(default=None, metadata=bounds(ge=0, le=65535, note="0: a free port"))

@@ -170,7 +170,8 @@ def allowed_text(
         text = f"one of {', '.join(bounds.one_of)}"
     elif kind is list:
         each = _range_text(bounds)
-        plural = "integers" if item is int else ("finite numbers" if say_finite else "numbers")
+        plural = ("integers" if item is int else "strings (any text)" if item is str
+                  else "finite numbers" if say_finite else "numbers")
         size = f"at least {bounds.min_len} " if bounds.min_len else ""
         text = f"a list of {size}{plural}" + (f", each {each}" if each else "")
     elif kind in (int, float):

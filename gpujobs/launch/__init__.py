@@ -12,11 +12,13 @@ from gpujobs.backends.base import NO_SCRIPT, Backend
 from gpujobs.backends.container_words import SRUN_OPTIONS
 from gpujobs.base.errors import ConfigError, SubmitError
 from gpujobs.base.hostname import loopback_hostname
+from gpujobs.config.container import NO_RUNTIME
 from gpujobs.config.load import JobConfig
 from gpujobs.config.memory import MemoryPlan
 from gpujobs.config.modes import Runtime
 from gpujobs.config.validate import check_slurm_path
 from gpujobs.launch.memory import plan_job
+from gpujobs.launch.next_steps import next_steps
 from gpujobs.rundir import CONFIG_FILE, PLAN_FILE
 from gpujobs.rundir.files import write_config
 from gpujobs.rundir.plan import write_plan
@@ -111,9 +113,13 @@ def warn_loopback(job: JobConfig) -> Optional[str]:
 
 
 def _check_container(job: JobConfig, backend: Backend) -> None:
-    """`container=`: a runtime the chosen cluster runs the ranks in (none always is), an image file that exists
-    and can be read, mounts whose host paths exist (`ContainerConfig.check_here`)."""
+    """`container=`: a runtime the chosen cluster runs the ranks in (none always is), an image alone only where
+    the cluster runs it itself (`Backend.runs_images`), an image file that exists and can be read, mounts whose
+    host paths exist (`ContainerConfig.check_here`)."""
     runtime = job.container.runtime
+    if runtime == Runtime.none and job.container.image and not backend.runs_images:
+        alone = "|".join(name for name in names() if backend_named(name).runs_images)
+        raise ConfigError("container.image", job.container.image, f"{NO_RUNTIME}; cluster={alone} takes an image alone")
     if runtime != Runtime.none and runtime not in backend.container_runtimes:
         where = [name for name in names() if runtime in backend_named(name).container_runtimes]
         runs = f"runs on cluster={'|'.join(where)}" if where else "runs on no cluster"
@@ -175,19 +181,22 @@ def check_start(job: JobConfig, run_dir: Path, key: str = "hydra.run.dir") -> No
 
 def launch(job: JobConfig, run_dir: Path) -> int:
     """Preflight and `check_start`, then start the job (or, for a dry run, print its script); returns the
-    exit code."""
+    exit code. A start ends with the run dir and the commands that read it (`next_steps`)."""
     plan = preflight(job)
     check_start(job, run_dir)
     if job.cluster.dry_run:
         from gpujobs.rundir.files import discard_if_empty
 
-        script = backend_for(job).render(job, run_dir)  # first: a render that refuses leaves its one line alone
+        script = backend_for(job).render(job, run_dir)  # first: a render refused is one line, no plan before it
         if plan is not None:  # on stderr: stdout is the script, as it would be queued
             print(plan.render(), file=sys.stderr)
         print(script, end="")
         discard_if_empty(run_dir)  # a dry run leaves nothing behind, not even the empty run dir
         return 0
-    return start(job, run_dir, plan)
+    code = start(job, run_dir, plan)
+    backend = backend_for(job)
+    print(next_steps(run_dir, queued=backend.queues and not backend.follows(job)), flush=True)
+    return code
 
 
 def start(job: JobConfig, run_dir: Path, plan: Optional[MemoryPlan] = None) -> int:

@@ -81,6 +81,13 @@ def _local_lease(run_dir: Path) -> Optional[lease.Lease]:
     return held if held is not None and held.by_launcher else None
 
 
+def launcher_live(point: PointState) -> bool:
+    """Whether a launcher here (cluster=local) still holds the point's run dir: its ranks may still be writing
+    their logs after rank 0 wrote the result that makes the run final."""
+    held = _local_lease(point.run_dir)
+    return held is not None and lease.live(held)[0]
+
+
 def current_result(run_dir: Path, attempts: Optional[list[Attempt]] = None) -> Optional[Result]:
     """result.json while it is the run's last word, else None: a result stays on disk when the run dir is
     started again (a larger trainer.max_steps resumes it here) and when such a start fails.
@@ -130,6 +137,20 @@ def scheduler_of(point: PointState) -> Scheduler:
     scheduler = backend_named(point.cluster)
     assert isinstance(scheduler, Scheduler), point.cluster  # read_submissions keeps schedulers' ids only
     return scheduler
+
+
+def log_path(point: PointState, rank: int, *, err: bool = False) -> Optional[Path]:
+    """Where rank `rank` of the point's current job writes its stdout (stderr: `err`): a queued job's file as
+    its scheduler names it, or for a run here (cluster=local) the file of its last attempt, the submitit job
+    (`<folder>/<id>_<rank>_log.out`) whose submission is the newest; None before a run here started one."""
+    if point.job_id is not None and point.logs is not None:
+        return scheduler_of(point).log_path(point.logs, point.job_id, rank, err=err)
+    folder = point.run_dir / read_config(point.run_dir).cluster.folder
+    submitted = [path for path in folder.glob("*_submitted.pkl") if path.name.split("_")[0].isdigit()]
+    if not submitted:
+        return None
+    newest = max(submitted, key=lambda path: path.stat().st_mtime_ns)
+    return folder / f"{newest.name.split('_')[0]}_{rank}_log.{'err' if err else 'out'}"
 
 
 def by_scheduler(points: Sequence[PointState]) -> dict[str, list[PointState]]:

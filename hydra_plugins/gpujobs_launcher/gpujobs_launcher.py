@@ -96,7 +96,9 @@ class GpujobsLauncher(Launcher):
         self, count: int, first_num: int, run_points: Callable[[], list[JobReturn]], how: str = ""
     ) -> Sequence[JobReturn]:
         """Run the points' tasks with a plan active (`run_points`), then carry out the plan they made."""
+        from gpujobs.backends import backend_for
         from gpujobs.base.errors import GpujobsError, SubmitError
+        from gpujobs.launch.next_steps import next_steps
         from gpujobs.launch.sweep import collecting, run_plan, summary  # lazily: plugin discovery stays fast
         from gpujobs.rundir.trust import check_dir
 
@@ -125,6 +127,9 @@ class GpujobsLauncher(Launcher):
         except SubmitError:  # sbatch refused (an array of) the sweep: what it did not queue leaves no dirs
             plan.discard()
             raise
+        if not any(p.job.cluster.dry_run for p in plan.points):  # a dry run leaves no sweep dir to read
+            queued = any(backend_for(p.job).queues and not backend_for(p.job).follows(p.job) for p in plan.points)
+            print(next_steps(sweep_dir, queued=queued, sweep=True), flush=True)
         by_num = {o.point.num: o for o in outcomes}
         for num, ret in enumerate(runs, start=first_num):
             outcome = by_num.get(num)

@@ -79,8 +79,8 @@ class RecModelConfig(Checked, abc.ABC):
     top_mlp: list[int] = field(default_factory=lambda: [64, 32], metadata=bounds(ge=1))
     """Hidden sizes of the MLP over the interaction output; a last layer to one logit is always added."""
     embedding_lr_scale: float = field(default=8.0, metadata=bounds(gt=0.0, lt=1e3))
-    """Multiplies the embeddings' effective learning rate under Adam (see `jobs.rec.model.EmbeddingTables`);
-    1 disables it."""
+    """Multiplies the embeddings' effective learning rate under Adam (a row of a rare value is in few batches
+    and must learn fast: rows are stored divided by it and scaled back up in the forward); 1 disables it."""
 
     @abc.abstractmethod
     def build(self, features: FeatureSpec, tables: Optional[nn.Module] = None) -> RecModel:
@@ -260,7 +260,8 @@ class CriteoConfig(Checked):
     """Categorical values are hashed into this many buckets per column (plus one for "missing"): one count for
     all 26 columns, or a list of 26 counts, one per column (`+experiment=dlrm_dcnv2` sets MLPerf's)."""
     batch_size: int = field(default=256, metadata=bounds(ge=1))
-    """Samples per rank per micro-step at the configured world size (see SyntheticClicksConfig)."""
+    """Samples per rank per micro-step at the configured world size: the global batch is
+    batch_size * resources' world size * trainer.grad_accum unless global_batch_size says otherwise."""
     global_batch_size: Optional[int] = field(default=None, metadata=bounds(ge=1))
     """Samples per optimizer step, all ranks together (default: from batch_size)."""
     seed: int = field(default=0, metadata=bounds(ge=0))

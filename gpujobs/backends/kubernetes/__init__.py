@@ -5,9 +5,10 @@ A submit creates the JobSet through the API client (`jobs.py`, over the one clie
 id `NAMESPACE/NAME`; `gpujobs status|logs|cancel|resubmit` then work on it as on a Slurm job.
 `cluster.dry_run=true` prints the JobSet (for `kubectl apply -f`) and creates nothing. Before either, where
 the kubeconfig's cluster can be asked (`preflight.py`), a job it can never run is refused (`fit.py`). The
-image is `container.image` with `container=podman` (an OCI image reference, which the nodes pull as podman
-would), and the run dir lies on the shared volume (`cluster.volume`). What the config loader cannot know
-(where the run dir is, the container) is checked here, before anything is written.
+image is `container.image` alone (an OCI image reference, which the kubelet pulls and runs: no runtime to
+pick; `container=podman` with it is taken as well), and the run dir lies on the shared volume
+(`cluster.volume`). What the config loader cannot know (where the run dir is, the container) is checked
+here, before anything is written.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from gpujobs.rundir import lease
 
 __all__ = ["LEASE_HOLDER", "KubernetesBackend"]
 
-IMAGE_NEEDED = ("an OCI image reference the nodes pull, with container=podman (e.g. container=podman "
-                "container.image=registry.example.com/team/rec:1): cluster=kubernetes runs the ranks in it")
+IMAGE_NEEDED = ("an OCI image reference the nodes pull (e.g. container.image=registry.example.com/team/rec:1): "
+                "cluster=kubernetes runs the ranks in it")
 
 
 class KubernetesBackend(Scheduler):
@@ -36,6 +37,7 @@ class KubernetesBackend(Scheduler):
     name = "kubernetes"
     renders = True
     container_runtimes = frozenset({Runtime.podman.value})
+    runs_images = True
     final_states = jobs.FINAL
     failed_states = jobs.FAILED
     cancelled_state = jobs.CANCELLED
@@ -113,7 +115,7 @@ def check_kubernetes_job(job: JobConfig) -> None:
         raise ConfigError(key, None, "a value with cluster=kubernetes (the run dir lies on a ReadWriteMany PVC: "
                                      "cluster.volume.claim=NAME cluster.volume.mount_path=/PATH)")
     container = job.container
-    if container.runtime == Runtime.none or not container.image:
+    if not container.image:
         raise ConfigError("container.image", container.image, IMAGE_NEEDED)
     for key, value in (("mounts", container.mounts), ("env", container.env), ("gpus", container.gpus)):
         if value:

@@ -15,6 +15,7 @@ import os
 import pwd
 import shlex
 import shutil
+import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -45,6 +46,8 @@ RANK_ENV = ("SUBMITIT_*", "GPUJOBS_*", "CUDA_*", "NCCL_*", "TORCH_*", "MASTER_*"
             "PYTHONHASHSEED", "HYDRA_FULL_ERROR")
 #: ch-run binds the host's /tmp at /tmp: a path under it needs no directory in the image.
 _CH_RUN_TMP = Path("/tmp")
+#: `podman image exists` reads the local image store: well under a second unless the store is locked.
+_PODMAN_ASK_TIMEOUT_S = 30.0
 
 
 def rank_python(job: JobConfig, run_dir: Path, submit_dir: Path, env: Mapping[str, str] = os.environ) -> str:
@@ -99,9 +102,10 @@ def tasks_are_ranks(box: ContainerConfig) -> bool:
 
 
 def check_local_container(job: JobConfig, submit_dir: Path, run_dir: Optional[Path] = None) -> None:
-    """Refuse (ConfigError) a runtime whose program is not on PATH here, and an image directory that ch-run
-    cannot bind a mount into: every mount's container path (and the workdir) must be a directory in the
-    image or lie under /tmp. `run_dir`, once known, is checked with the rest."""
+    """Refuse (ConfigError) a runtime whose program is not on PATH here, an image podman's storage does not
+    hold (or a reference podman cannot read), and an image directory that ch-run cannot bind a mount into:
+    every mount's container path (and the workdir) must be a directory in the image or lie under /tmp.
+    `run_dir`, once known, is checked with the rest."""
     box = job.container
     if box.runtime == Runtime.none:
         return
@@ -109,12 +113,35 @@ def check_local_container(job: JobConfig, submit_dir: Path, run_dir: Optional[Pa
     if shutil.which(program) is None:
         raise ConfigError("container.runtime", box.runtime.value, f"a runtime installed here ({program} is not "
                           "on PATH: the ranks of cluster=local run through it)")
+    if box.runtime == Runtime.podman and box.image is not None and run_dir is None:  # asked once, at preflight
+        check_podman_image(box.image)
     if box.runtime == Runtime.charliecloud and box.image is not None and Path(box.image).is_dir():
         mounts = same_path_mounts(job, run_dir or submit_dir, submit_dir)
         purposes = {str(submit_dir): "the submit directory's mount", str(run_dir): "the run directory's mount"}
         wanted = [(m.container, purposes.get(m.host, f"the mount of {m.host}")) for m in mounts]
         for path, what in [*wanted, *([(box.workdir, "container.workdir")] if box.workdir else [])]:
             _check_bind_target(box.image, path, what)
+
+
+def check_podman_image(image: str) -> None:
+    """Refuse (ConfigError on container.image) an image that podman's storage here does not hold, or a reference
+    podman cannot read, asking `podman image exists`: otherwise every rank's `podman run` would try a registry
+    (or die of `invalid reference format`) after the job started, and the attempt would fail with exit 1."""
+    command = ["podman", "image", "exists", image]
+    try:
+        proc = subprocess.run(command, capture_output=True, text=True, errors="replace",
+                              timeout=_PODMAN_ASK_TIMEOUT_S, check=False)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        why = (f"it did not answer within {_PODMAN_ASK_TIMEOUT_S:g} s" if isinstance(err, subprocess.TimeoutExpired)
+               else f"it could not run: {err.strerror or err}")
+        raise ConfigError("container.image", image, f"an image podman can be asked about ({why})") from None
+    if proc.returncode == 0:
+        return
+    if proc.returncode == 1:  # podman's answer "no such image" (any error is 125)
+        raise ConfigError("container.image", image, "an image in podman's storage on this machine (`podman image "
+                          "exists` says it is not there: podman pull or podman load it first)")
+    said = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
+    raise ConfigError("container.image", image, f"an image reference podman reads (podman image exists: {said})")
 
 
 def _check_bind_target(image: str, inside: str, what: str) -> None:

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import re
 import shutil
+import sys
 from dataclasses import dataclass, field
 from typing import Optional
 
-from gpujobs.backends.base import asked_once
+from gpujobs.backends.base import PreflightCache, asked_once
 from gpujobs.backends.slurm.commands import slurm_output
 from gpujobs.base.errors import ConfigError, SubmitError
 from gpujobs.config.load import JobConfig, parse_time_minutes
@@ -156,19 +157,33 @@ def check(job: JobConfig, info: ClusterInfo) -> None:
         raise ConfigError("cluster.qos", cluster.qos, f"one of {', '.join(sorted(info.qos)) or 'none'}")
 
 
-def cluster_info(job: JobConfig, cache: Optional[dict[tuple[bool, bool], ClusterInfo]] = None) -> ClusterInfo:
+def cluster_info(job: JobConfig, cache: Optional[PreflightCache] = None) -> ClusterInfo:
     """What the cluster says of itself, asked once a sweep (`cache`)."""
     key = (job.cluster.account is not None, job.cluster.qos is not None)  # what query_cluster asks depends on these
-    return asked_once(cache, key, lambda: query_cluster(job))
+    info: ClusterInfo = asked_once(cache, key, lambda: query_cluster(job))
+    return info
 
 
-def preflight_slurm(job: JobConfig, cache: Optional[dict[tuple[bool, bool], ClusterInfo]] = None) -> None:
+#: The preflight cache's note that a sweep's dry run has said it skips the cluster's checks (once a sweep).
+_OFFLINE_SAID = "dry run without sbatch: said"
+
+
+def preflight_slurm(job: JobConfig, cache: Optional[PreflightCache] = None) -> None:
     """Query the cluster and check the job against it.
 
     A sweep passes one `cache` for all its points, so a 100-point sweep asks Slurm once, not 100 times.
+    A dry run where no Slurm is installed (a laptop) only prints the script: the cluster's questions are
+    skipped, and one line on stderr says so (once a sweep, through `cache`).
     """
     if shutil.which("sbatch") is None:
-        raise SubmitError("cluster=slurm but `sbatch` is not on PATH (use cluster=local on this machine)")
+        if not job.cluster.dry_run:
+            raise SubmitError("cluster=slurm but `sbatch` is not on PATH (use cluster=local on this machine)")
+        if cache is None or not cache.get(_OFFLINE_SAID):
+            print("gpujobs: no `sbatch` on PATH: the dry run skips the cluster's checks (partition, nodes, GPUs, "
+                  "time, account, qos)", file=sys.stderr, flush=True)
+            if cache is not None:
+                cache[_OFFLINE_SAID] = True
+        return
     check(job, cluster_info(job, cache))
     if job.container.runtime == Runtime.oci and job.resources.ranks_per_node > 1:
         check_oci_tasks(job, slurm_output(["srun", "--version"]).strip())
