@@ -39,7 +39,7 @@ SCHEMAS: list[tuple[str, type[Any], tuple[str, ...]]] = [
 #: A value each `valid=` test refuses (a new field declared with `valid=` needs one here).
 INVALID_SAMPLES: dict[str, object] = {
     "prometheus_addr": "not a host name", "store": "  ", "train_files": [" "], "eval_files": 3,
-    "hash_buckets": [1000] * 25,
+    "hash_buckets": [1000] * 25, "sharding_types": ["row_wise", "diagonal"], "compute_kernels": [], "plan": " ",
 }
 
 

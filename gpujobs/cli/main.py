@@ -44,8 +44,7 @@ COMMANDS: dict[str, Command] = {
     "cost": Command("where the GPU-hours went: per point and in total", "gpujobs.__main__:main", named=True),
     "report": Command("PNG plots of a run and a short text summary", "gpujobs.report:main"),
     "prepare": Command("prepare raw input files into a sample store (data.store), once", "gpujobs.prepare:main"),
-    "plan": Command("will the model fit: its sharding plan and bytes per rank, before anything runs",
-                    "gpujobs.plan:main"),
+    "plan": Command("will the model fit: where each table goes, the bytes a rank holds", "gpujobs.plan:main"),
 }
 
 

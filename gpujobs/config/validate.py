@@ -280,7 +280,7 @@ def _check(rule: _Rule, value: Any) -> Any:
             for item in items:
                 _scan(rule, item, value)
         changed = type(value) is not list or any(new is not old for new, old in zip(items, value, strict=True))
-        return items if changed else value
+        value = items if changed else value  # a list's own test (`valid`) below sees the list as it is kept
     elif rule.kind is dict and isinstance(value, dict):
         for item in value.values():
             _scan(rule, item, value)

@@ -75,26 +75,29 @@ def preflight(job: JobConfig, cache: Optional[dict[Any, Any]] = None) -> Optiona
     if check_data is not None:  # e.g. a sample store missing or unfinished: refused here, not after the queue
         check_data(job)
     _check_replay(job)
-    derive_cpus(job, backend, cache)
+    said = derive_cpus(job, backend, cache)
     backend.preflight(job, cache)
+    if said is not None:  # after every check: a refused submit's one line stands alone
+        print(said, file=sys.stderr)
     warn_loopback(job)
     return plan
 
 
-def derive_cpus(job: JobConfig, backend: Backend, cache: Optional[dict[Any, Any]] = None) -> None:
+def derive_cpus(job: JobConfig, backend: Backend, cache: Optional[dict[Any, Any]] = None) -> Optional[str]:
     """`resources.cpus_per_task: null` made the CPUs a rank gets on the nodes `backend` would run `job` on
     (`ResourcesConfig.derived_cpus`), in `job` itself: the config written to the run dir and the script
-    queued hold it. Said on stderr for GPU ranks (once a sweep)."""
+    queued hold it. Returns the line that says so for GPU ranks (once a sweep), for the caller to print."""
     res = job.resources
     if res.cpus_per_task is not None:
-        return
+        return None
     cpus, why = res.derived_cpus(backend.node_cpus(job, cache) if res.gpus_per_node else None)
     res.cpus_per_task = cpus
     said: set[str] = cache.setdefault("cpus_per_task said", set()) if cache is not None else set()
     line = f"gpujobs: resources.cpus_per_task=null: {cpus} CPUs per rank ({why})"
-    if res.gpus_per_node and line not in said:
-        print(line, file=sys.stderr)
-        said.add(line)
+    if not res.gpus_per_node or line in said:
+        return None
+    said.add(line)
+    return line
 
 
 def warn_loopback(job: JobConfig) -> Optional[str]:
