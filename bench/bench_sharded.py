@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "bench"))
-from bench_data import write_criteo_file  # noqa: E402  (bench/ is no package)
+sys.path[:0] = [str(REPO / "bench"), str(REPO / "tests")]  # neither is a package: the generators and job control
+from bench_data import write_criteo_file  # noqa: E402
 
 SPEEDUP, RSS_RATIO, CKPT_RATIO, BIG_RSS_MB, AUC_DELTA, PLAN_S = 10.0, 0.6, 0.6, 4000.0, 0.005, 10.0
 
@@ -42,12 +42,12 @@ def run(*args: str, cwd: Path, timeout: float = 1800) -> subprocess.CompletedPro
                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
-def prepare(scratch: Path, buckets: int, rows: int) -> Path:
-    """A store of `rows` generated training lines and a tenth as many eval lines, at `buckets` a table."""
-    store = scratch / f"store-{buckets}"
+def prepare(scratch: Path, buckets: int, name: str = "") -> Path:
+    """The store of `scratch`'s train{name}.tsv and eval{name}.tsv at `buckets` a table."""
+    store = scratch / f"store{name}-{buckets}"
     done = run("-m", "gpujobs.prepare", "+experiment=rec", "data=criteo", "cluster=local",
-               f"data.hash_buckets={buckets}", f"data.train_files={scratch / 'train.tsv'}",
-               f"data.eval_files={scratch / 'eval.tsv'}", f"data.store={store}", cwd=scratch)
+               f"data.hash_buckets={buckets}", f"data.train_files={scratch / f'train{name}.tsv'}",
+               f"data.eval_files={scratch / f'eval{name}.tsv'}", f"data.store={store}", cwd=scratch)
     if done.returncode != 0:
         sys.exit(f"bench_sharded: gpujobs prepare of {buckets} buckets failed: {done.stderr.strip()[-400:]}")
     return store
@@ -101,14 +101,18 @@ def side(run_dir: Path, name: str, overrides: tuple[str, ...], failed: list[str]
     return measured
 
 
-def resume_figures(scratch: Path, store: Path, steps: int, straight: dict[str, Any],
-                   failed: list[str]) -> dict[str, Any]:
-    """SIGKILL of rank 1 mid-run, restarted from its checkpoint; then preempted at 2 and 1 ranks, done at 3."""
-    sys.path.insert(0, str(REPO / "tests"))
+def resume_figures(scratch: Path, steps: int, failed: list[str]) -> dict[str, Any]:
+    """On lines whose clicks follow a rule (an AUC to compare): the torchrec job straight, then killed (SIGKILL
+    of rank 1) mid-run and restarted from its checkpoint, then preempted at 2 and 1 ranks and done at 3."""
     from jobctl import RunningJob, attempts
+    from rec_store import criteo_text
 
+    (scratch / "train-rule.tsv").write_text(criteo_text(40_000, seed=0))
+    (scratch / "eval-rule.tsv").write_text(criteo_text(4_000, seed=1))
+    store = prepare(scratch, 100_000, "-rule")
     sharded = job(store, 100_000, steps, "parallel=torchrec", "telemetry.debug_slow_rank=0",
                   "telemetry.debug_slow_ms=20")
+    straight = side(scratch / "rule", "torchrec on the rule's lines", sharded, failed)
     def interrupt(run_dir: Path, after: int, rank: int, signum: int, *more: str) -> None:
         running = RunningJob(run_dir, *sharded, *more)
         try:
@@ -132,7 +136,8 @@ def resume_figures(scratch: Path, store: Path, steps: int, straight: dict[str, A
     if done.returncode != 0 or worlds != [2, 1, 3] or last.get("samples") != steps * 512 or auc_delta > AUC_DELTA:
         failed.append(f"elastic 2 -> 1 -> 3: worlds {worlds}, samples {last.get('samples')}, "
                       f"AUC off by {auc_delta:.4f}")
-    return {"killed_same_digest": same, "elastic_worlds": worlds, "elastic_auc_delta": round(auc_delta, 5)}
+    return {"straight_auc": straight.get("auc"), "killed_same_digest": same, "elastic_worlds": worlds,
+            "elastic_auc": last.get("auc"), "elastic_auc_delta": round(auc_delta, 5)}
 
 
 def plan_figures(scratch: Path, failed: list[str]) -> dict[str, Any]:
@@ -160,7 +165,7 @@ def main() -> int:
         scratch = Path(tmp)
         write_criteo_file(scratch / "train.tsv", opts.rows, seed=0)
         write_criteo_file(scratch / "eval.tsv", max(2048, opts.rows // 10), seed=1)
-        store = prepare(scratch, 100_000, opts.rows)
+        store = prepare(scratch, 100_000)
         ddp = side(scratch / "ddp", "ddp", job(store, 100_000, opts.steps), failed)
         sharded = side(scratch / "torchrec", "torchrec", job(store, 100_000, opts.steps, "parallel=torchrec"), failed)
         figures: dict[str, Any] = {"ddp": ddp, "torchrec": sharded}
@@ -173,7 +178,7 @@ def main() -> int:
                                     ("checkpoint_bytes_ratio", CKPT_RATIO, False)):
                 if (figures[key] < bar) if above else (figures[key] > bar):
                     failed.append(f"{key} {figures[key]} against a bar of {bar}")
-        big = prepare(scratch, 2_000_000, opts.rows)
+        big = prepare(scratch, 2_000_000)
         refused = submit(scratch / "big-ddp", *job(big, 2_000_000, opts.steps))
         lines = refused.stderr.strip().splitlines()
         figures["big_ddp_refusal"] = lines[-1] if lines else ""
@@ -184,8 +189,7 @@ def main() -> int:
         figures["big_torchrec"] = big_sharded
         if big_sharded and big_sharded["peak_rss_mb"] > BIG_RSS_MB:
             failed.append(f"torchrec at 2,000,000 buckets: {big_sharded['peak_rss_mb']} MB peak RSS a rank")
-        if sharded:
-            figures.update(resume_figures(scratch, store, opts.steps, sharded, failed))
+        figures.update(resume_figures(scratch, opts.steps, failed))
         figures.update(plan_figures(scratch, failed))
     figures["failed"] = failed
     print(json.dumps(figures, indent=None if opts.json else 2))
