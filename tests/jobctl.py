@@ -122,6 +122,21 @@ def attempts(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (run_dir / "attempts.jsonl").read_text().splitlines()]
 
 
+def killed_and_resumed(run_dir: Path, *overrides: str, step: int, steps: int) -> dict[str, Any]:
+    """A local run of `overrides` (`steps` steps, a checkpoint at `step`) whose rank 1 is SIGKILLed once it
+    logged the step after `step`, restarted once from that checkpoint: it ends 0 with a failed attempt and a
+    completed one that resumed from the first's save; its result."""
+    job = RunningJob(run_dir, *overrides, "cluster.max_restarts=1")
+    job.wait_for_step(step + 1)  # logged after checkpoint `step` is complete
+    job.signal_rank(1, signal.SIGKILL)
+    assert job.wait() == 0, job.output()
+    ledger = attempts(run_dir)
+    assert [a["reason"] for a in ledger] == ["failed", "completed"], ledger
+    assert ledger[1]["resumed_from"] == ledger[0]["saved"] and step <= ledger[1]["start_step"] < steps, ledger
+    result: dict[str, Any] = json.loads((run_dir / "result.json").read_text())
+    return result
+
+
 def slurm_rank_pids(job_id: str) -> dict[int, int]:
     """rank → pid of the job's ranks (`python -m gpujobs.rank.srun`; this cluster's nodes are this machine)."""
     ranks = {}

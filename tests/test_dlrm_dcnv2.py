@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from conftest import compose_job, read_result, submit
-from jobctl import RunningJob, attempts
+from jobctl import killed_and_resumed
 from rec_store import write_days
 
 from gpujobs.config.model_shape import FP32_BYTES
@@ -84,13 +83,6 @@ def test_the_twin_trains_on_two_ranks_and_resumes_a_kill_exactly(tmp_path: Path,
     assert (result["status"], result["world_size"], result["samples"]) == ("completed", 2, 40 * 256)
     assert result["auc"] > 0.7  # it learned the files' rule (0.77 here; an untrained model is near 0.5)
 
-    job = RunningJob(tmp_path / "killed", *tiny(store, "cluster.max_restarts=1"))
-    job.wait_for_step(21)  # logged after checkpoint 20 is complete
-    job.signal_rank(1, signal.SIGKILL)
-    assert job.wait() == 0, job.output()
-    ledger = attempts(tmp_path / "killed")
-    assert [a["reason"] for a in ledger] == ["failed", "completed"], ledger
-    assert ledger[1]["resumed_from"] == ledger[0]["saved"] and 20 <= ledger[1]["start_step"] < 40, ledger
-    resumed = read_result(tmp_path / "killed")
+    resumed = killed_and_resumed(tmp_path / "killed", *tiny(store), step=20, steps=40)
     assert resumed["param_digest"] == result["param_digest"]
     assert resumed["auc"] == result["auc"]

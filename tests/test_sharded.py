@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, read_result, submit
-from jobctl import RunningJob, attempts
+from jobctl import RunningJob, attempts, killed_and_resumed
 
 pytest.importorskip("torchrec", reason="scripts/install-torchrec.sh cpu installs it (scripts/test.sh does)")
 
@@ -104,14 +104,7 @@ def test_sharded_tables_train_and_resume_a_kill_exactly(tmp_path: Path) -> None:
     marker = json.loads((step / "COMPLETE").read_text())
     assert {"sharded/.metadata", "sharded/__0_0.distcp", "sharded/__1_0.distcp"} <= set(marker["files"])
 
-    job = RunningJob(tmp_path / "killed", *SHARDED, "cluster.max_restarts=1")
-    job.wait_for_step(21)  # logged after checkpoint 20 is complete
-    job.signal_rank(1, signal.SIGKILL)
-    assert job.wait() == 0, job.output()
-    ledger = attempts(tmp_path / "killed")
-    assert [a["reason"] for a in ledger] == ["failed", "completed"], ledger
-    assert ledger[1]["resumed_from"] == ledger[0]["saved"] and 20 <= ledger[1]["start_step"] < 40, ledger
-    resumed = read_result(tmp_path / "killed")
+    resumed = killed_and_resumed(tmp_path / "killed", *SHARDED, step=20, steps=40)
     assert resumed["param_digest"] == result["param_digest"]
     assert resumed["auc"] == result["auc"]
 
