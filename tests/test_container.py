@@ -144,7 +144,6 @@ def test_an_array_groups_points_by_their_container() -> None:
     ("overrides", "key", "why"),
     [
         (("container=pyxis",), "container.image", "required"),
-        (("container.image=/a.sif",), "container.image", "nothing with container=none"),
         (("container=apptainer", "container.image=/a.sif", "container.mounts=[/a:rel]"), "container.mounts[0]",
          "relative"),
         (("container=apptainer", "container.image=/a.sif", "container.mounts=['/a,b:/c']"), "container.mounts[0]",

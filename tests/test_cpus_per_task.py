@@ -45,9 +45,20 @@ def test_a_local_gpu_job_gets_this_machines_cpus_over_its_gpus_said_once_and_kep
     said = derive_cpus(job, LocalBackend(), cache)
     expected = max(1, min(GPU_RANK_CPUS_CAP, len(os.sched_getaffinity(0)) // 2))
     assert job.resources.cpus_per_task == expected and job.to_dict()["resources"]["cpus_per_task"] == expected
-    assert said is not None and said.startswith(f"gpujobs: resources.cpus_per_task=null: {expected} CPUs per rank (")
-    again = compose_job("cluster=local", "resources.gpus_per_node=2")
-    assert derive_cpus(again, LocalBackend(), cache) is None  # the next point of a sweep: not said twice
+    assert said is None  # known CPUs: recorded in the config, not said
+
+
+def test_gpu_ranks_on_nodes_of_unknown_cpus_get_one_said_once_a_sweep() -> None:
+    """Kubernetes' nodes' CPUs are not known from here: one CPU a GPU rank, said on stderr (once a sweep)."""
+    from gpujobs.backends import backend_named
+
+    job = compose_job("cluster=kubernetes", "resources.gpus_per_node=2", "container.image=rec:1")
+    cache: dict[object, object] = {}
+    said = derive_cpus(job, backend_named("kubernetes"), cache)
+    assert job.resources.cpus_per_task == 1
+    assert said is not None and said.startswith("gpujobs: resources.cpus_per_task=null: 1 CPUs per rank ("), said
+    again = compose_job("cluster=kubernetes", "resources.gpus_per_node=2", "container.image=rec:1")
+    assert derive_cpus(again, backend_named("kubernetes"), cache) is None  # the next point: not said twice
 
 
 def test_an_explicit_value_is_kept_as_it_is() -> None:

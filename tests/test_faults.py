@@ -226,11 +226,12 @@ def leave_free(directory: Path, free: int) -> Path:
 
 
 def test_a_ledger_line_a_full_disk_refuses_is_said_in_one_line(tmp_path: Path) -> None:
-    """16 KB free under the run dir: the ranks fail, no line of the ledger fits, and the restart cannot
-    be started. Each is said in one line on stderr, not a traceback; the budget counted the attempt
-    (`test_an_attempt_no_line_fits_is_still_counted...` shows the count going on)."""
+    """20 KB free under the run dir (its config, plan and lease take four of those five blocks): the ranks
+    fail, no line of the ledger fits, and the restart cannot be started. Each is said in one line on stderr,
+    not a traceback; the budget counted the attempt (`test_an_attempt_no_line_fits_is_still_counted...` shows
+    the count going on)."""
     with small_disk(tmp_path / "disk", "4m") as disk:
-        leave_free(disk, 16 * 1024)
+        leave_free(disk, 20 * 1024)
         run_dir = disk / "run"
         proc = submit(run_dir, *SLOW, "cluster.max_restarts=1")
         ledger = (run_dir / "attempts.jsonl").read_text()

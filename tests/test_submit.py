@@ -217,9 +217,11 @@ def test_the_slurm_dry_run_with_only_python_on_path_prints_the_script(tmp_path: 
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.startswith("#!/bin/bash\n"), proc.stdout
     assert "#SBATCH --partition=gpu\n" in proc.stdout and "#SBATCH --gpus-per-node=4\n" in proc.stdout, proc.stdout
-    said = [line for line in proc.stderr.splitlines() if line.startswith("gpujobs:")]
+    said = [line for line in proc.stderr.splitlines()
+            if line.startswith("gpujobs:") and "resources.cpus_per_task=null" not in line]  # GPU ranks' CPUs: a note
     assert said == ["gpujobs: no `sbatch` on PATH: the dry run skips the cluster's checks (partition, nodes, GPUs, "
                     "time, account, qos)"], proc.stderr
+    assert "memory plan: parallel=ddp, 4 ranks" in proc.stderr  # the plan beside the script, on stderr
     assert [p.name for p in tmp_path.iterdir()] == ["bin"]
 
 
@@ -230,7 +232,11 @@ def test_the_readme_first_command_prints_its_next_steps(tmp_path: Path) -> None:
     first = readme.split("## Two commands", 1)[1].split("```bash\n", 1)[1].split("\n", 1)[0]
     words = shlex.split(first.rsplit("&& ", 1)[1])
     assert words[:3] == ["python", "-m", "gpujobs.submit"], first
-    proc = subprocess.run([sys.executable, *words[1:]], cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    # a fresh machine has no Slurm: without sbatch on PATH the default cluster is this machine (CI's has one)
+    fresh = os.pathsep.join(d for d in os.environ.get("PATH", "").split(os.pathsep)
+                            if d and not os.path.exists(os.path.join(d, "sbatch")))
+    proc = subprocess.run([sys.executable, *words[1:]], cwd=tmp_path, capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "PATH": fresh})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (run_dir,) = (tmp_path / "outputs" / "rec").iterdir()
     pid = re.search(r"^gpujobs: local job (\d+): `kill -USR2 (\d+)` preempts it", proc.stdout, re.M)

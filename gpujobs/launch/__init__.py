@@ -86,15 +86,17 @@ def preflight(job: JobConfig, cache: Optional[dict[Any, Any]] = None) -> Optiona
 def derive_cpus(job: JobConfig, backend: Backend, cache: Optional[dict[Any, Any]] = None) -> Optional[str]:
     """`resources.cpus_per_task: null` made the CPUs a rank gets on the nodes `backend` would run `job` on
     (`ResourcesConfig.derived_cpus`), in `job` itself: the config written to the run dir and the script
-    queued hold it. Returns the line that says so for GPU ranks (once a sweep), for the caller to print."""
+    queued hold it. Returns, for the caller to print, the line that says so where GPU ranks' nodes' CPUs are
+    unknown from here (once a sweep): the value is then a guess the user may want to set."""
     res = job.resources
     if res.cpus_per_task is not None:
         return None
-    cpus, why = res.derived_cpus(backend.node_cpus(job, cache) if res.gpus_per_node else None)
+    node_cpus = backend.node_cpus(job, cache) if res.gpus_per_node else None
+    cpus, why = res.derived_cpus(node_cpus)
     res.cpus_per_task = cpus
     said: set[str] = cache.setdefault("cpus_per_task said", set()) if cache is not None else set()
     line = f"gpujobs: resources.cpus_per_task=null: {cpus} CPUs per rank ({why})"
-    if not res.gpus_per_node or line in said:
+    if not res.gpus_per_node or node_cpus is not None or line in said:
         return None
     said.add(line)
     return line
