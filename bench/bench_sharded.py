@@ -121,13 +121,15 @@ def resume_figures(scratch: Path, steps: int, failed: list[str]) -> dict[str, An
             running.wait()
         except (AssertionError, TimeoutError) as err:  # a run that ended (or hung) before its signal
             failed.append(f"{run_dir.name}: not interrupted at step {after} ({err!r}): {running.output()[-600:]}")
+            running.wait()  # its end, whatever it is: the next run of the run dir must find its lease free
 
     interrupt(scratch / "killed", steps // 2 + 1, 1, signal.SIGKILL, "cluster.max_restarts=1")
     same = result(scratch / "killed").get("param_digest") == straight.get("param_digest")
     if not same:
         failed.append("kill and resume: another param_digest than straight")
     elastic = scratch / "elastic"
-    for ranks, after in ((2, steps // 4 + 1), (1, steps // 2 + 1)):
+    for ranks in (2, 1):  # each caught a few steps after where the last attempt stopped (its steps are logged)
+        after = (attempts(elastic)[-1]["steps_done"] if elastic.exists() else 0) + steps // 4 + 1
         interrupt(elastic, after, 0, signal.SIGUSR2, "cluster.max_preemptions=0", f"resources.procs_per_node={ranks}")
     done = submit(elastic, *sharded, "resources.procs_per_node=3")
     last = result(elastic)
